@@ -1,0 +1,278 @@
+"""GEPO: Group Expectation Policy Optimization (arXiv 2508.17850), as plain torch functions.
+
+For a prompt x with responses y_1..y_G (one *group*), sampler policy q and learner p_theta:
+
+    s_j      = (1/|y_j|) sum_t log q(y_j,t | ...)          length-normalised sequence log-prob
+    log E_q  = logsumexp_j(2 s_j) - logsumexp_j(s_j)         log of sum_j q_j^2 / sum_j q_j
+    w_i      = exp( (1/|y_i|) sum_t log p_theta(y_i,t) - log E_q )
+    L        = - mean_i min(w_i A_i, clip(w_i, 1 - eps_low, 1 + eps_high) A_i)
+
+The denominator depends on the sampler's log-probs only, so it is a per-group constant that
+can be computed once, wherever whole groups are visible (verl's trainer process), and shipped
+per sample to wherever the loss runs. Everything is done in log space, so sequence length
+does not matter, and in at least float32 whatever the input dtype.
+
+The per-token loss uses a GSPO-style straight-through ratio
+``r_i,t = sg[w_i] * p_t / sg[p_t]``: its value is ``w_i`` on every token of sequence i, and its
+gradient is ``w_i * d log p_t``. Under ``seq-mean-token-mean`` aggregation the gradient is
+exactly ``A_i * d w_i`` (paper eq. 5); the other verl aggregation modes weight tokens as they
+do for GSPO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gepo_plugin.maths.groups import GroupIndex, segment_logsumexp
+
+#: Cap on the (log) importance weight, as verl's GSPO applies: exp(10) ~ 2.2e4.
+DEFAULT_LOG_RATIO_CAP = 10.0
+
+
+class GEPOInputError(ValueError):
+    """Inputs to a GEPO function are malformed or non-finite."""
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float32 for half/bfloat16/float32 inputs, float64 if any input is float64."""
+    dtype = torch.float32
+    for tensor in tensors:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype
+
+
+def _check_finite(name: str, values: torch.Tensor, mask: torch.Tensor, hint: str) -> None:
+    bad = ~torch.isfinite(values) & mask
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        raise GEPOInputError(
+            f"{name} has {int(bad.sum())} non-finite value(s) at unmasked positions (first at index {where}). "
+            f"{hint}"
+        )
+
+
+def validate_token_inputs(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Check shapes and finiteness; return the mask as bool. Raises :class:`GEPOInputError`."""
+    shapes = {
+        "log_prob": tuple(log_prob.shape),
+        "old_log_prob": tuple(old_log_prob.shape),
+        "advantages": tuple(advantages.shape),
+        "response_mask": tuple(response_mask.shape),
+    }
+    if len(set(shapes.values())) != 1 or log_prob.dim() != 2:
+        raise GEPOInputError(f"expected four [batch, response_len] tensors of one shape, got {shapes}")
+    mask = response_mask.to(torch.bool)
+    if not bool(mask.any()):
+        raise GEPOInputError(
+            "every response is fully masked (response_mask is all zero): there is no token to train on. "
+            "Check that responses were generated and that response_mask marks them."
+        )
+    _check_finite(
+        "log_prob", log_prob, mask, "The learner produced NaN/inf log-probs: check the model's logits and dtype."
+    )
+    _check_finite(
+        "old_log_prob",
+        old_log_prob,
+        mask,
+        "The sampler/old log-probs are NaN/inf: check rollout.calculate_log_probs and the rollout backend.",
+    )
+    _check_finite("advantages", advantages, mask, "Check the reward function and the advantage estimator.")
+    return mask
+
+
+def sequence_log_prob(token_log_probs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Length-normalised sequence log-prob ``(1/|y|) sum_t log p_t`` -> ``[B]``.
+
+    Rows without any unmasked token give 0 (they carry no loss; callers that need a strict
+    check use :func:`group_log_expectation`, which rejects them).
+    """
+    mask = response_mask.to(token_log_probs.dtype)
+    lengths = mask.sum(dim=-1)
+    return (token_log_probs * mask).sum(dim=-1) / lengths.clamp(min=1)
+
+
+def group_log_expectation(
+    seq_log_q: torch.Tensor,
+    group_index: GroupIndex,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-row ``log E_hat_q[q]`` of the row's group: ``logsumexp(2 s) - logsumexp(s)`` -> ``[B]``.
+
+    Args:
+        seq_log_q: ``[B]`` length-normalised sampler log-probs (:func:`sequence_log_prob`).
+        group_index: the prompt group of every row.
+        valid: ``[B]`` bool; rows set False (e.g. verl's padding rows) are left out of every
+            group's sums and receive 0. A group without any valid row is an error.
+    """
+    if seq_log_q.dim() != 1 or seq_log_q.shape[0] != group_index.inverse.shape[0]:
+        raise GEPOInputError(
+            f"seq_log_q has shape {tuple(seq_log_q.shape)} but there are {group_index.inverse.shape[0]} group ids"
+        )
+    if valid is None:
+        valid = torch.ones_like(seq_log_q, dtype=torch.bool)
+    if not bool(torch.isfinite(seq_log_q[valid]).all()):
+        raise GEPOInputError("sequence log-probs of the sampler are non-finite: check the rollout log-probs")
+    dtype = compute_dtype(seq_log_q)
+    s = seq_log_q.to(dtype)
+    lse_2s = segment_logsumexp(2.0 * s, group_index, valid)
+    lse_s = segment_logsumexp(s, group_index, valid)
+    per_group = lse_2s - lse_s
+    if not bool(torch.isfinite(per_group).all()):
+        raise GEPOInputError(
+            "a group has no valid response (all of its rows are padding or empty): "
+            "GEPO's group expectation is undefined for it"
+        )
+    return torch.where(valid, per_group[group_index.inverse], torch.zeros_like(s))
+
+
+def group_log_expectation_from_tokens(
+    old_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Convenience: token-level sampler log-probs + group ids -> per-row ``log E_hat_q[q]``.
+
+    Non-padding rows must have at least one response token; an empty real response is an error.
+    """
+    mask = response_mask.to(torch.bool)
+    lengths = mask.sum(dim=-1)
+    if valid is None:
+        valid = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
+    empty_real = (lengths == 0) & valid
+    if bool(empty_real.any()):
+        rows = empty_real.nonzero().flatten().tolist()[:8]
+        raise GEPOInputError(
+            f"{int(empty_real.sum())} response(s) are empty (rows {rows}): a response with no token has no "
+            "sequence probability. Drop them before training or mark them as padding."
+        )
+    _check_finite("old_log_prob", old_log_prob, mask & valid[:, None], "Check the sampler's log-probs.")
+    index = GroupIndex.from_ids(group_ids, device=old_log_prob.device)
+    if index.inverse.shape[0] != mask.shape[0]:
+        raise GEPOInputError(f"{index.inverse.shape[0]} group ids for {mask.shape[0]} responses")
+    s = sequence_log_prob(old_log_prob.to(compute_dtype(old_log_prob)), mask)
+    return group_log_expectation(s, index, valid)
+
+
+@dataclass
+class GEPOLossTerms:
+    """Per-token loss matrix (before aggregation) and detached diagnostics."""
+
+    token_losses: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def k3_kl(log_prob: torch.Tensor, sampler_log_prob: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(p || q): ``exp(q - p) - (q - p) - 1`` (non-negative)."""
+    delta = torch.clamp(sampler_log_prob - log_prob, min=-20.0, max=20.0)
+    return torch.exp(delta) - delta - 1.0
+
+
+def gepo_token_losses(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    log_group_expectation: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    sampler_kl_coef: float = 0.0,
+    log_ratio_cap: float = DEFAULT_LOG_RATIO_CAP,
+) -> GEPOLossTerms:
+    """GEPO's clipped surrogate per token, plus the optional k3 KL toward the sampler.
+
+    Args:
+        log_prob: ``[B, T]`` learner log-probs (with grad).
+        old_log_prob: ``[B, T]`` sampler log-probs q (used only by the KL term and metrics).
+        advantages: ``[B, T]`` advantages (constant along a sequence for outcome rewards).
+        response_mask: ``[B, T]`` 1 on response tokens.
+        log_group_expectation: ``[B]`` ``log E_hat_q[q]`` of each row's group.
+        clip_ratio_low, clip_ratio_high: the clip range ``[1 - low, 1 + high]`` of ``w``.
+        sampler_kl_coef: weight of ``k3(p || q)`` per token (the paper's async runs: 0.005).
+        log_ratio_cap: upper cap of ``log w`` (as verl's GSPO), for numerical safety.
+
+    Returns:
+        :class:`GEPOLossTerms` whose ``token_losses`` is to be aggregated with verl's
+        ``agg_loss`` (or any other aggregation) over ``response_mask``.
+    """
+    if clip_ratio_low < 0 or clip_ratio_high < 0:
+        raise GEPOInputError(
+            f"clip ratios must be >= 0, got low={clip_ratio_low}, high={clip_ratio_high} "
+            "(set actor_rollout_ref.actor.clip_ratio_low/high to e.g. 0.2)"
+        )
+    if clip_ratio_low >= 1:
+        raise GEPOInputError(f"clip_ratio_low must be < 1 (the lower bound is 1 - low), got {clip_ratio_low}")
+    if sampler_kl_coef < 0:
+        raise GEPOInputError(f"sampler_kl_coef must be >= 0, got {sampler_kl_coef}")
+    mask = validate_token_inputs(log_prob, old_log_prob, advantages, response_mask)
+    if log_group_expectation.shape != (log_prob.shape[0],):
+        raise GEPOInputError(
+            f"log_group_expectation must have shape [{log_prob.shape[0]}] (one value per response), "
+            f"got {tuple(log_group_expectation.shape)}"
+        )
+    row_valid = mask.any(dim=-1)
+    if not bool(torch.isfinite(log_group_expectation[row_valid]).all()):
+        raise GEPOInputError("the group term log E_hat_q[q] is non-finite for some response")
+
+    dtype = compute_dtype(log_prob, old_log_prob)
+    logp = log_prob.to(dtype)
+    logq = old_log_prob.to(dtype)
+    adv = advantages.to(dtype)
+    log_denominator = log_group_expectation.to(dtype)
+
+    seq_log_p = sequence_log_prob(logp, mask)
+    log_w = seq_log_p - log_denominator
+    # straight-through: value log_w on every token, gradient d log p_t
+    log_ratio = logp - logp.detach() + log_w.detach().unsqueeze(-1)
+    log_ratio = torch.clamp(log_ratio, max=log_ratio_cap)
+    ratio = torch.exp(log_ratio)
+
+    losses_unclipped = -adv * ratio
+    losses_clipped = -adv * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    token_losses = torch.maximum(losses_unclipped, losses_clipped)
+
+    kl = k3_kl(logp, logq)
+    if sampler_kl_coef > 0:
+        token_losses = token_losses + sampler_kl_coef * kl
+
+    metrics = gepo_metrics(log_w, mask, row_valid, losses_unclipped, losses_clipped, kl, logp, logq)
+    return GEPOLossTerms(token_losses=token_losses, metrics=metrics)
+
+
+@torch.no_grad()
+def gepo_metrics(
+    log_w: torch.Tensor,
+    mask: torch.Tensor,
+    row_valid: torch.Tensor,
+    losses_unclipped: torch.Tensor,
+    losses_clipped: torch.Tensor,
+    kl: torch.Tensor,
+    logp: torch.Tensor,
+    logq: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Importance-weight statistics over the (non-empty) sequences of one batch."""
+    w = torch.exp(log_w.detach()[row_valid])
+    n = w.numel()
+    fmask = mask.to(logp.dtype)
+    lengths = fmask.sum(-1).clamp(min=1)
+    clipped_tok = (losses_clipped > losses_unclipped) & mask
+    seq_clipped = clipped_tok.any(dim=-1)[row_valid].to(logp.dtype)
+    seq_kl = ((kl.detach() * fmask).sum(-1) / lengths)[row_valid]
+    return {
+        "iw_mean": w.mean(),
+        "iw_std": w.std(unbiased=False) if n > 1 else torch.zeros((), dtype=w.dtype),
+        "iw_max": w.max(),
+        "iw_min": w.min(),
+        "ess": w.sum() ** 2 / (n * (w**2).sum()),
+        "clipfrac": seq_clipped.mean(),
+        "token_clipfrac": clipped_tok.sum() / fmask.sum(),
+        "sampler_kl": seq_kl.mean(),
+        "ppo_kl": ((logq - logp.detach()) * fmask).sum() / fmask.sum(),
+    }

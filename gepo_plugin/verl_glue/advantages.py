@@ -1,0 +1,106 @@
+"""BNPO and Delta-L registered as verl advantage estimators (``algorithm.adv_estimator=bnpo|delta_l``).
+
+verl calls a registered estimator with the whole training batch (groups whole, ``index=uid``),
+which is exactly where both need to look: BNPO fits a Beta to the batch's group-mean rewards,
+Delta-L normalises length weights over the batch. Rows with an empty response (verl's padding
+rows, which copy sample 0's uid) are left out of every statistic and get advantage 0.
+
+Delta-L is applied by scaling each advantage by ``B * x_i`` (``x_i`` the Delta-L weight). With
+verl's ``loss_agg_mode=seq-mean-token-sum-norm`` (sum over tokens / batch / max length), the
+loss becomes ``(1/M) sum_i x_i sum_t l_i,t``, the paper's estimator; the scaling is exact for
+PPO's clipped objective because it is positively homogeneous in the advantage.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from verl.trainer.ppo.core_algos import register_adv_est
+
+from gepo_plugin.maths import GroupIndex, bnpo_advantages, delta_l_weights, group_advantages
+
+
+def _section(config, name: str) -> dict:
+    if config is None:
+        return {}
+    section = config.get(name, None)
+    return dict(section) if section is not None else {}
+
+
+def _valid_rows(response_mask: torch.Tensor) -> torch.Tensor:
+    return response_mask.sum(dim=-1) > 0
+
+
+def _scores(token_level_rewards: torch.Tensor) -> torch.Tensor:
+    return token_level_rewards.sum(dim=-1)
+
+
+def _require_index(index) -> np.ndarray:
+    if index is None:
+        raise ValueError(
+            "this advantage estimator needs the prompt id of every response (verl's `uid`), "
+            "which verl passes as `index`; it was missing"
+        )
+    return np.asarray(index, dtype=object)
+
+
+@register_adv_est("bnpo")
+def compute_bnpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray | None = None,
+    config=None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BNPO advantages (arXiv 2506.02864), broadcast over each response's tokens.
+
+    Options under ``algorithm.bnpo``: ``reward_min`` / ``reward_max`` (the reward's range,
+    default 0 / 1) and ``weight_cap`` (cap on the inverse Beta density, default 1e6).
+    """
+    options = _section(config, "bnpo")
+    ids = _require_index(index)
+    valid = _valid_rows(response_mask)
+    scores = _scores(token_level_rewards)
+    advantages = torch.zeros_like(scores, dtype=torch.float32)
+    with torch.no_grad():
+        group_index = GroupIndex.from_ids(ids[valid.cpu().numpy()], device=scores.device)
+        values, _ = bnpo_advantages(
+            scores[valid],
+            group_index,
+            reward_min=float(options.get("reward_min", 0.0)),
+            reward_max=float(options.get("reward_max", 1.0)),
+            weight_cap=float(options.get("weight_cap", 1e6)),
+        )
+        advantages[valid] = values.to(advantages.dtype)
+    advantages = advantages.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("delta_l")
+def compute_delta_l_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray | None = None,
+    config=None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages scaled by Delta-L weights ``B * x_i`` (arXiv 2509.07558).
+
+    Options: ``algorithm.delta_l.alpha`` (default 1: minimum variance; the paper used 0.75 for
+    math) and verl's ``algorithm.norm_adv_by_std_in_grpo`` for the base advantage.
+    """
+    options = _section(config, "delta_l")
+    alpha = float(options.get("alpha", 1.0))
+    normalize = bool(config.get("norm_adv_by_std_in_grpo", True)) if config is not None else True
+    ids = _require_index(index)
+    valid = _valid_rows(response_mask)
+    scores = _scores(token_level_rewards)
+    advantages = torch.zeros_like(scores, dtype=torch.float32)
+    with torch.no_grad():
+        group_index = GroupIndex.from_ids(ids[valid.cpu().numpy()], device=scores.device)
+        base = group_advantages(scores[valid], group_index, normalize_by_std=normalize)
+        lengths = response_mask[valid].sum(dim=-1)
+        weights = delta_l_weights(lengths, alpha) * lengths.shape[0]
+        advantages[valid] = (base * weights).to(advantages.dtype)
+    advantages = advantages.unsqueeze(-1) * response_mask
+    return advantages, advantages

@@ -1,0 +1,120 @@
+"""GEPO registered as a verl policy loss (``actor_rollout_ref.actor.policy_loss.loss_mode=gepo``).
+
+The maths is :func:`gepo_plugin.maths.gepo_token_losses`; this module only adapts verl's
+calling convention, reads the trainer-computed group term, aggregates with verl's
+``agg_loss`` (so the loss is invariant to data-parallel size and micro-batch split) and names
+the metrics for verl's tracker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
+
+from gepo_plugin.maths import GroupIndex, gepo_token_losses, group_log_expectation, sequence_log_prob
+from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, current_sample_terms
+
+METRIC_PREFIX = "actor/gepo/"
+
+GROUP_TERM_MISSING = (
+    "GEPO's per-prompt group term (field '" + LOG_GROUP_EXPECTATION + "') did not reach the loss. verl's "
+    "ppo_loss passes only five fields to a registered policy loss and splits prompt groups across ranks "
+    "and micro-batches, so the plugin computes the term in the trainer, where groups are whole. Fix one of:\n"
+    "  * launch with `python -m gepo_plugin.main_ppo algorithm.loss=gepo ...` (sets everything), or\n"
+    "  * with `python -m verl.trainer.main_ppo`, also set `trainer.v1.trainer_mode=gepo_sync` "
+    "(or gepo_colocate_async / gepo_separate_async) so the plugin's trainer computes and ships the term, or\n"
+    "  * to reproduce the reference code's micro-batch-scoped 'group' instead, set "
+    "`actor_rollout_ref.actor.policy_loss._target_=gepo_plugin.verl_glue.config.GEPOPolicyLossConfig "
+    "+actor_rollout_ref.actor.policy_loss.group_scope=batch`."
+)
+
+
+class GroupTermMissingError(RuntimeError):
+    """The gepo loss ran without the trainer-side group term."""
+
+
+def _clip_range(config) -> tuple[float, float]:
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    return float(low), float(high)
+
+
+def resolve_log_group_expectation(
+    old_log_prob: torch.Tensor, response_mask: torch.Tensor, group_scope: str
+) -> torch.Tensor:
+    """The per-row denominator ``log E_hat_q[q]`` for this micro-batch, by ``group_scope``."""
+    if group_scope == "prompt":
+        terms = current_sample_terms()
+        if LOG_GROUP_EXPECTATION not in terms:
+            raise GroupTermMissingError(GROUP_TERM_MISSING)
+        term = terms[LOG_GROUP_EXPECTATION].to(device=old_log_prob.device)
+        if term.shape != (old_log_prob.shape[0],):
+            raise GroupTermMissingError(
+                f"the group term has shape {tuple(term.shape)} but the micro-batch has {old_log_prob.shape[0]} rows"
+            )
+        return term
+    if group_scope == "batch":
+        mask = response_mask.to(torch.bool)
+        valid = mask.any(dim=-1)
+        seq_log_q = sequence_log_prob(old_log_prob.to(torch.promote_types(old_log_prob.dtype, torch.float32)), mask)
+        rows = old_log_prob.shape[0]
+        index = GroupIndex(
+            inverse=torch.zeros(rows, dtype=torch.int64, device=old_log_prob.device),
+            num_groups=1,
+            sizes=torch.tensor([rows], device=old_log_prob.device),
+        )
+        return group_log_expectation(seq_log_q, index, valid)
+    raise ValueError(f"unknown group_scope {group_scope!r}; use 'prompt' or 'batch'")
+
+
+@register_policy_loss("gepo")
+def compute_policy_loss_gepo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """GEPO policy loss for verl (arXiv 2508.17850); see :mod:`gepo_plugin.maths.gepo`.
+
+    ``old_log_prob`` must be the sampler's log-probs for the weight to mean what the paper
+    means (``algorithm.rollout_correction.bypass_mode=true``, set by the gepo preset).
+    """
+    if config is None:
+        raise ValueError("the gepo loss needs the actor config (verl passes it as `config`)")
+    policy_cfg = config.policy_loss
+    group_scope = policy_cfg.get("group_scope", "prompt")
+    log_denominator = resolve_log_group_expectation(old_log_prob, response_mask, group_scope)
+    low, high = _clip_range(config)
+    terms = gepo_token_losses(
+        log_prob=log_prob,
+        old_log_prob=old_log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        log_group_expectation=log_denominator,
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        sampler_kl_coef=float(policy_cfg.get("sampler_kl_coef", 0.0)),
+        log_ratio_cap=float(policy_cfg.get("log_ratio_cap", 10.0)),
+    )
+    token_losses = terms.token_losses
+    if rollout_is_weights is not None:
+        token_losses = token_losses * rollout_is_weights
+    pg_loss = agg_loss(
+        loss_mat=token_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
+    )
+    m = {key: float(value) for key, value in terms.metrics.items()}
+    metrics: dict[str, Any] = {
+        "actor/pg_clipfrac": m["token_clipfrac"],
+        "actor/ppo_kl": m["ppo_kl"],
+        "actor/pg_clipfrac_lower": 0.0,
+    }
+    metrics.update({f"{METRIC_PREFIX}{key}": m[key] for key in ("iw_mean", "iw_std", "iw_max", "iw_min", "ess")})
+    metrics[f"{METRIC_PREFIX}clipfrac"] = m["clipfrac"]
+    metrics[f"{METRIC_PREFIX}sampler_kl"] = m["sampler_kl"]
+    metrics[f"{METRIC_PREFIX}group_term_present"] = 1.0 if group_scope == "prompt" else 0.0
+    return pg_loss, metrics

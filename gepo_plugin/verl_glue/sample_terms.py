@@ -1,0 +1,89 @@
+"""Per-sample terms computed by the trainer and handed to a registered policy loss.
+
+Why this exists: verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) keeps only five
+fields of the micro-batch before it calls a registered policy loss, and verl repartitions
+samples across ranks and micro-batches. A per-prompt statistic such as GEPO's group
+expectation therefore has to be computed in the trainer (where ``uid`` groups are whole),
+stored per sample in the batch, and passed to the loss *beside* verl's call.
+
+:func:`ppo_loss_with_sample_terms` is installed on the actor workers with verl's public
+``set_loss_fn``. It takes the per-sample fields out of the micro-batch, exposes them through
+a context variable for the duration of the call, and then runs verl's own ``ppo_loss``
+unchanged (entropy, KL loss and metric aggregation stay verl's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+#: Field with ``log E_hat_q[q]`` of each sample's prompt group (GEPO's denominator).
+LOG_GROUP_EXPECTATION = "gepo_log_group_expectation"
+
+#: All per-sample fields the loss wrapper forwards.
+SAMPLE_TERM_FIELDS: tuple[str, ...] = (LOG_GROUP_EXPECTATION,)
+
+_CURRENT_TERMS: ContextVar[Mapping[str, torch.Tensor] | None] = ContextVar("gepo_sample_terms", default=None)
+
+
+@contextmanager
+def provide_sample_terms(terms: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Make ``terms`` visible to :func:`current_sample_terms` inside the block."""
+    token = _CURRENT_TERMS.set(dict(terms))
+    try:
+        yield
+    finally:
+        _CURRENT_TERMS.reset(token)
+
+
+def current_sample_terms() -> Mapping[str, torch.Tensor]:
+    """The per-sample terms of the micro-batch being processed ({} outside a wrapped call)."""
+    return _CURRENT_TERMS.get() or {}
+
+
+def extract_sample_terms(data) -> dict[str, torch.Tensor]:
+    """Pick the per-sample term fields out of a verl micro-batch ``TensorDict``."""
+    keys = set(data.keys())
+    terms = {}
+    for name in SAMPLE_TERM_FIELDS:
+        if name in keys:
+            value = data[name]
+            if getattr(value, "is_nested", False):
+                value = value.to_padded_tensor(0.0)
+            terms[name] = value.reshape(value.shape[0], -1)[:, 0] if value.dim() > 1 else value
+    return terms
+
+
+def _rewrapped(metric, aggregation):
+    from verl.utils.metric import Metric
+
+    out = Metric(aggregation)
+    out.values.extend(metric.values)
+    return out
+
+
+def _extreme_metrics_as_max_min(metrics: dict) -> dict:
+    """verl wraps every policy-loss metric as a MEAN over micro-batches; a ``*_max`` / ``*_min``
+    statistic must aggregate as MAX / MIN instead, or it would report a mean of maxima."""
+    from verl.utils.metric import AggregationType, Metric
+
+    for key, value in list(metrics.items()):
+        if not key.startswith("actor/gepo/") or not isinstance(value, Metric):
+            continue
+        if key.endswith("_max"):
+            metrics[key] = _rewrapped(value, AggregationType.MAX)
+        elif key.endswith("_min"):
+            metrics[key] = _rewrapped(value, AggregationType.MIN)
+    return metrics
+
+
+def ppo_loss_with_sample_terms(config, model_output, data, dp_group=None):
+    """verl's ``ppo_loss``, with the micro-batch's per-sample terms made visible to the policy loss."""
+    from verl.workers.utils.losses import ppo_loss
+
+    with provide_sample_terms(extract_sample_terms(data)):
+        loss, metrics = ppo_loss(config, model_output, data, dp_group)
+    return loss, _extreme_metrics_as_max_min(metrics)

@@ -1,0 +1,117 @@
+"""verl V1 trainers that compute GEPO's group term where prompt groups are whole.
+
+Registered with verl's public ``register_trainer`` as ``gepo_sync``, ``gepo_colocate_async`` and
+``gepo_separate_async`` (select with ``trainer.v1.trainer_mode``). Each is verl's own trainer
+of that mode plus :class:`SampleTermsMixin`, which
+
+1. after verl's ``_compute_advantage`` (the last step that sees the batch with ``uid`` before
+   the actor update), reads ``old_log_probs`` (the sampler's log-probs in bypass mode),
+   computes ``log E_hat_q[q]`` per prompt group for all groups at once, and writes it per
+   sample into the batch (TransferQueue), so it survives verl's repartitioning;
+2. after verl's worker set-up, installs :func:`ppo_loss_with_sample_terms` on the actor
+   workers through verl's public ``set_loss_fn``, so the registered ``gepo`` loss can read it.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import numpy as np
+import torch
+import transfer_queue as tq
+from tensordict import TensorDict
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
+from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils.config import omega_conf_to_dataclass
+
+from gepo_plugin.maths import GroupIndex, group_log_expectation_from_tokens
+from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_sample_terms
+
+logger = logging.getLogger(__name__)
+
+#: verl trainer mode -> the plugin's trainer of that mode.
+GEPO_TRAINER_FOR_MODE: dict[str, str] = {
+    "sync": "gepo_sync",
+    "colocate_async": "gepo_colocate_async",
+    "separate_async": "gepo_separate_async",
+}
+
+
+def _padded(value) -> torch.Tensor:
+    return value.to_padded_tensor(0) if getattr(value, "is_nested", False) else value
+
+
+def compute_group_terms(uids: np.ndarray, old_log_probs: torch.Tensor, response_mask: torch.Tensor, is_padding):
+    """Per-sample ``log E_hat_q[q]`` of each prompt group plus summary metrics (framework-free inputs)."""
+    valid = torch.as_tensor(~np.asarray(is_padding, dtype=bool))
+    log_eq = group_log_expectation_from_tokens(old_log_probs, response_mask, uids, valid=valid)
+    index = GroupIndex.from_ids(np.asarray(uids, dtype=object)[valid.numpy()])
+    metrics = {
+        "gepo/num_groups": float(index.num_groups),
+        "gepo/group_size_mean": float(index.sizes.float().mean()),
+        "gepo/log_group_expectation_mean": float(log_eq[valid].mean()),
+    }
+    return log_eq.to(torch.float32), metrics
+
+
+class SampleTermsMixin:
+    """Adds the trainer-side group term and the loss wrapper to a verl V1 trainer."""
+
+    def _setup(self):
+        super()._setup()
+        self._install_sample_terms_loss()
+
+    def _install_sample_terms_loss(self) -> None:
+        from verl.trainer.distillation import is_distillation_enabled
+
+        if is_distillation_enabled(self.config.get("distillation")):
+            raise ValueError(
+                "the gepo_* trainers do not support distillation (it installs its own loss); "
+                "use trainer.v1.trainer_mode=sync|colocate_async|separate_async for distillation"
+            )
+        actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
+        self.actor_rollout_wg.set_loss_fn(partial(ppo_loss_with_sample_terms, config=actor_config))
+        logger.info("gepo-plugin: per-sample term loss installed on actor workers")
+
+    def _compute_advantage(self, batch, metrics: dict):
+        batch = super()._compute_advantage(batch, metrics)
+        data = tq.kv_batch_get(
+            keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "old_log_probs", "response_mask"]
+        )
+        uids = np.array(data["uid"].tolist(), dtype=object)
+        is_padding = [tag.get("is_padding", False) for tag in batch.tags]
+        log_eq, term_metrics = compute_group_terms(
+            uids, _padded(data["old_log_probs"]), _padded(data["response_mask"]), is_padding
+        )
+        metrics.update(term_metrics)
+        fields = TensorDict({LOG_GROUP_EXPECTATION: log_eq}, batch_size=len(batch))
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
+
+
+@register_trainer("gepo_sync")
+class GEPOTrainerSync(SampleTermsMixin, PPOTrainerSync):
+    """verl's sync trainer with GEPO's trainer-side group term."""
+
+
+@register_trainer("gepo_colocate_async")
+class GEPOTrainerColocateAsync(SampleTermsMixin, PPOTrainerColocateAsync):
+    """verl's colocate_async trainer with GEPO's trainer-side group term."""
+
+
+@register_trainer("gepo_separate_async")
+class GEPOTrainerSeparateAsync(SampleTermsMixin, PPOTrainerSeparateAsync):
+    """verl's separate_async trainer with GEPO's trainer-side group term."""
+
+
+__all__ = [
+    "GEPO_TRAINER_FOR_MODE",
+    "GEPOTrainerColocateAsync",
+    "GEPOTrainerSeparateAsync",
+    "GEPOTrainerSync",
+    "PPOTrainer",
+    "SampleTermsMixin",
+    "compute_group_terms",
+]
