@@ -48,8 +48,7 @@ def _check_finite(name: str, values: torch.Tensor, mask: torch.Tensor, hint: str
     if bool(bad.any()):
         where = bad.nonzero()[0].tolist()
         raise GEPOInputError(
-            f"{name} has {int(bad.sum())} non-finite value(s) at unmasked positions (first at index {where}). "
-            f"{hint}"
+            f"{name} has {int(bad.sum())} non-finite value(s) at unmasked positions (first at index {where}). {hint}"
         )
 
 
@@ -93,9 +92,10 @@ def sequence_log_prob(token_log_probs: torch.Tensor, response_mask: torch.Tensor
     Rows without any unmasked token give 0 (they carry no loss; callers that need a strict
     check use :func:`group_log_expectation`, which rejects them).
     """
-    mask = response_mask.to(token_log_probs.dtype)
-    lengths = mask.sum(dim=-1)
-    return (token_log_probs * mask).sum(dim=-1) / lengths.clamp(min=1)
+    mask = response_mask.to(torch.bool)
+    lengths = mask.sum(dim=-1).to(token_log_probs.dtype)
+    summed = torch.where(mask, token_log_probs, torch.zeros_like(token_log_probs)).sum(dim=-1)
+    return summed / lengths.clamp(min=1)
 
 
 def group_log_expectation(
@@ -222,9 +222,11 @@ def gepo_token_losses(
         raise GEPOInputError("the group term log E_hat_q[q] is non-finite for some response")
 
     dtype = compute_dtype(log_prob, old_log_prob)
-    logp = log_prob.to(dtype)
-    logq = old_log_prob.to(dtype)
-    adv = advantages.to(dtype)
+    # padded positions may hold anything (even NaN); zero them so no NaN leaks through 0 * NaN
+    zeros = torch.zeros((), dtype=dtype, device=log_prob.device)
+    logp = torch.where(mask, log_prob.to(dtype), zeros)
+    logq = torch.where(mask, old_log_prob.to(dtype), zeros)
+    adv = torch.where(mask, advantages.to(dtype), zeros)
     log_denominator = log_group_expectation.to(dtype)
 
     seq_log_p = sequence_log_prob(logp, mask)

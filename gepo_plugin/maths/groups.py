@@ -34,7 +34,9 @@ class GroupIndex:
     sizes: torch.Tensor
 
     @classmethod
-    def from_ids(cls, group_ids: Sequence | np.ndarray | torch.Tensor, device: torch.device | None = None) -> GroupIndex:
+    def from_ids(
+        cls, group_ids: Sequence | np.ndarray | torch.Tensor, device: torch.device | None = None
+    ) -> GroupIndex:
         """Build the index from any hashable ids (verl's ``uid`` strings, ints, a tensor).
 
         ``np.unique`` does the mapping in C; no Python loop runs over groups or samples.

@@ -69,7 +69,5 @@ def build_loss_inputs(
     }
     fields.update(extra_fields or {})
     data = TensorDict(fields, batch_size=[batch])
-    tu.assign_non_tensor(
-        data, dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size
-    )
+    tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
     return {"log_probs": flat_log_probs}, data

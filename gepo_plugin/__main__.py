@@ -1,0 +1,74 @@
+"""``python -m gepo_plugin <command>``: doctor, demo, presets."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gepo_plugin",
+        description="gepo-plugin: GEPO (arXiv 2508.17850) and its family for verl. "
+        "Training itself runs through `python -m gepo_plugin.main_ppo algorithm.loss=gepo ...`.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    doctor = sub.add_parser(
+        "doctor",
+        help="check versions and that the plugin is registered in this process and in a fresh Ray actor",
+        description="Print installed versions, the losses/estimators/trainers the plugin registered in this "
+        "process and inside a freshly started Ray actor, and which patches are applied. Exits non-zero if "
+        "anything the plugin needs is missing.",
+    )
+    doctor.add_argument(
+        "--no-ray", action="store_true", help="skip the Ray actor check (faster; checks this process only)"
+    )
+    demo = sub.add_parser(
+        "demo",
+        help="one GEPO loss step through verl's real ppo_loss, groups scattered over micro-batches",
+        description="Build a random batch, compute GEPO's per-prompt group term as the plugin's trainer does, "
+        "run verl's ppo_loss on scattered micro-batches and check the gradient equals the whole-batch one.",
+    )
+    demo.add_argument("--prompts", type=int, default=4, help="number of prompts (groups) in the batch (default 4)")
+    demo.add_argument("--responses", type=int, default=4, help="responses per prompt, >= 2 (default 4)")
+    demo.add_argument(
+        "--micro-batches", type=int, default=4, help="micro-batches the shuffled rows are split into (default 4)"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="random seed of the synthetic batch (default 0)")
+    sub.add_parser(
+        "presets",
+        help="list the algorithm.loss names and the verl settings each one applies",
+        description="List every algorithm.loss preset and the verl config values it fills in.",
+    )
+    return parser
+
+
+def print_presets() -> int:
+    from gepo_plugin.verl_glue.presets import PRESETS
+
+    for preset in PRESETS.values():
+        print(f"algorithm.loss={preset.name}: {preset.summary}")
+        for key, value in preset.settings.items():
+            print(f"    {key}={value}")
+        if preset.needs_group_term:
+            print("    trainer.v1.trainer_mode=gepo_<mode>  (the plugin's trainer computes the group term)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        from gepo_plugin.doctor import run
+
+        return run(check_ray=not args.no_ray)
+    if args.command == "demo":
+        from gepo_plugin.demo import run
+
+        return run(prompts=args.prompts, responses=args.responses, micro_batches=args.micro_batches, seed=args.seed)
+    if args.command == "presets":
+        return print_presets()
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

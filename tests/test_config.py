@@ -1,0 +1,139 @@
+"""algorithm.loss presets through Hydra compose, the plugin's validation and verl's validate_config."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from gepo_plugin.main_ppo import prepare_config
+from gepo_plugin.verl_glue.presets import PRESETS, UnknownLossError, explicit_override_keys
+from gepo_plugin.verl_glue.validation import PluginConfigError
+
+MICRO = [
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    "critic.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.n=4",
+]
+
+
+def composed(*overrides):
+    overrides = [*MICRO, *overrides]
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="gepo_plugin.config", version_base=None):
+        config = compose(config_name="gepo_trainer", overrides=overrides)
+    return prepare_config(config, overrides)
+
+
+def verl_validate(config):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_family_member_composes_and_passes_verls_validation(name):
+    config = composed(f"algorithm.loss={name}")
+    preset = PRESETS[name]
+    for key, value in preset.settings.items():
+        assert OmegaConf.select(config, key) == value, key
+    verl_validate(config)
+    # the actor config still converts to verl's dataclasses (policy_loss subclass included)
+    from verl.utils.config import omega_conf_to_dataclass
+
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    assert actor.policy_loss.loss_mode == preset.settings["actor_rollout_ref.actor.policy_loss.loss_mode"]
+
+
+def test_gepo_preset_selects_the_group_term_trainer_for_each_mode():
+    for mode in ("sync", "colocate_async", "separate_async"):
+        config = composed("algorithm.loss=gepo", f"trainer.v1.trainer_mode={mode}")
+        assert config.trainer.v1.trainer_mode == f"gepo_{mode}"
+    assert composed("algorithm.loss=gspo").trainer.v1.trainer_mode == "sync"
+
+
+def test_paper_settings_of_the_gepo_preset():
+    config = composed("algorithm.loss=gepo")
+    actor = config.actor_rollout_ref.actor
+    assert actor.policy_loss.loss_mode == "gepo"
+    assert actor.loss_agg_mode == "seq-mean-token-mean"
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.2)
+    assert config.algorithm.norm_adv_by_std_in_grpo is False
+    assert config.algorithm.rollout_correction.bypass_mode is True
+
+
+def test_user_overrides_win_over_the_preset():
+    config = composed(
+        "algorithm.loss=gepo",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "actor_rollout_ref.actor.policy_loss.sampler_kl_coef=0.005",
+    )
+    actor = config.actor_rollout_ref.actor
+    assert actor.clip_ratio_high == 0.28 and actor.clip_ratio_low == 0.2
+    assert actor.loss_agg_mode == "token-mean"
+    assert actor.policy_loss.sampler_kl_coef == 0.005
+
+
+def test_gmpo_uses_the_original_log_ratio_clip():
+    actor = composed("algorithm.loss=gmpo").actor_rollout_ref.actor
+    assert actor.policy_loss.loss_mode == "geo_mean"
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.4, 0.4)
+
+
+def test_unknown_loss_lists_the_valid_names():
+    with pytest.raises(UnknownLossError) as error:
+        composed("algorithm.loss=gepoo")
+    for name in PRESETS:
+        assert name in str(error.value)
+
+
+def test_gepo_without_the_group_term_trainer_fails_at_start_up():
+    with pytest.raises(PluginConfigError, match="trainer_mode=gepo_sync"):
+        composed("actor_rollout_ref.actor.policy_loss.loss_mode=gepo")
+    # the documented alternatives pass
+    composed("actor_rollout_ref.actor.policy_loss.loss_mode=gepo", "trainer.v1.trainer_mode=gepo_sync")
+    composed(
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gepo", "actor_rollout_ref.actor.policy_loss.group_scope=batch"
+    )
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("actor_rollout_ref.rollout.n=1", "rollout.n >= 2"),
+        ("actor_rollout_ref.actor.clip_ratio_low=-0.1", "clip_ratio_low must be >= 0"),
+        ("actor_rollout_ref.actor.clip_ratio_low=1.5", "must be < 1"),
+        ("actor_rollout_ref.actor.policy_loss.sampler_kl_coef=-1", "sampler_kl_coef"),
+        ("actor_rollout_ref.actor.policy_loss.group_scope=group", "group_scope"),
+    ],
+)
+def test_impossible_gepo_settings_are_rejected(override, match):
+    with pytest.raises(PluginConfigError, match=match):
+        composed("algorithm.loss=gepo", override)
+
+
+def test_bad_bnpo_and_delta_l_options_are_rejected():
+    with pytest.raises(PluginConfigError, match="reward_max"):
+        composed("algorithm.loss=bnpo", "algorithm.bnpo.reward_max=0")
+    with pytest.raises(PluginConfigError, match="alpha"):
+        composed("algorithm.loss=delta_l", "algorithm.delta_l.alpha=-1")
+
+
+def test_policy_loss_dataclass_rejects_a_bad_group_scope_too():
+    """Users of verl's own main_ppo skip prepare_config: the dataclass still refuses nonsense."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    config = composed("algorithm.loss=gspo")
+    config.actor_rollout_ref.actor.policy_loss.group_scope = "everything"
+    with pytest.raises(Exception, match="group_scope"):
+        omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+
+
+def test_explicit_override_keys():
+    keys = explicit_override_keys(["a.b=1", "+c.d=2", "++e=3", "~f.g", "hydra.run.dir=x"])
+    assert keys == {"a.b", "c.d", "e", "f.g"}
