@@ -170,15 +170,14 @@ def test_non_finite_values_at_unmasked_positions_are_rejected(batch, field, bad)
         gepo_token_losses(**args)
 
 
-def test_non_finite_values_at_masked_positions_are_ignored(batch):
+def test_non_finite_values_in_padding_are_reported_as_corrupt_padding(batch):
     args = _args(batch)
     row = int(torch.argmin(batch.mask.sum(-1)))
-    if batch.mask[row].all():
-        pytest.skip("no padded position in this batch")
+    assert not batch.mask[row].all(), "the fixture must have a padded position"
     col = int(batch.mask[row].sum())
     args["log_prob"][row, col] = float("nan")
-    terms = gepo_token_losses(**args)
-    assert torch.isfinite(terms.token_losses[batch.mask.bool()]).all()
+    with pytest.raises(GEPOInputError, match="padded positions"):
+        gepo_token_losses(**args)
 
 
 def test_all_masked_responses_are_rejected(batch):

@@ -43,22 +43,48 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-def _check_finite(name: str, values: torch.Tensor, mask: torch.Tensor, hint: str) -> None:
-    bad = ~torch.isfinite(values) & mask
-    if bool(bad.any()):
-        where = bad.nonzero()[0].tolist()
-        raise GEPOInputError(
-            f"{name} has {int(bad.sum())} non-finite value(s) at unmasked positions (first at index {where}). {hint}"
+HINTS = {
+    "log_prob": "The learner produced NaN/inf log-probs: check the model's logits and dtype.",
+    "old_log_prob": "The sampler/old log-probs are NaN/inf: check rollout.calculate_log_probs and the rollout backend.",
+    "advantages": "Check the reward function and the advantage estimator.",
+}
+
+
+def _describe_non_finite(name: str, values: torch.Tensor, mask: torch.Tensor) -> str | None:
+    """Where ``values`` is non-finite, said plainly; None if it is finite everywhere."""
+    bad = ~torch.isfinite(values)
+    if not bool(bad.any()):
+        return None
+    unmasked = bad & mask
+    if bool(unmasked.any()):
+        first = unmasked.nonzero()[0].tolist()
+        return (
+            f"{name} has {int(unmasked.sum())} non-finite value(s) at unmasked positions (first at index {first}). "
+            f"{HINTS.get(name, '')}"
         )
+    first = bad.nonzero()[0].tolist()
+    return (
+        f"{name} has {int(bad.sum())} non-finite value(s) in padded positions (first at index {first}); "
+        "padding must hold finite values (verl pads with 0): the input batch is corrupt."
+    )
 
 
-def validate_token_inputs(
+def raise_non_finite(tensors: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
+    """Diagnose which input is non-finite and raise :class:`GEPOInputError` (the slow path)."""
+    for name, values in tensors.items():
+        message = _describe_non_finite(name, values, mask)
+        if message:
+            raise GEPOInputError(message)
+    raise GEPOInputError("the GEPO loss is non-finite although its inputs are finite (overflow?)")
+
+
+def validate_shapes(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-) -> torch.Tensor:
-    """Check shapes and finiteness; return the mask as bool. Raises :class:`GEPOInputError`."""
+) -> None:
+    """Four ``[batch, response_len]`` tensors of one shape; raises :class:`GEPOInputError`."""
     shapes = {
         "log_prob": tuple(log_prob.shape),
         "old_log_prob": tuple(old_log_prob.shape),
@@ -67,35 +93,23 @@ def validate_token_inputs(
     }
     if len(set(shapes.values())) != 1 or log_prob.dim() != 2:
         raise GEPOInputError(f"expected four [batch, response_len] tensors of one shape, got {shapes}")
-    mask = response_mask.to(torch.bool)
-    if not bool(mask.any()):
-        raise GEPOInputError(
-            "every response is fully masked (response_mask is all zero): there is no token to train on. "
-            "Check that responses were generated and that response_mask marks them."
-        )
-    _check_finite(
-        "log_prob", log_prob, mask, "The learner produced NaN/inf log-probs: check the model's logits and dtype."
-    )
-    _check_finite(
-        "old_log_prob",
-        old_log_prob,
-        mask,
-        "The sampler/old log-probs are NaN/inf: check rollout.calculate_log_probs and the rollout backend.",
-    )
-    _check_finite("advantages", advantages, mask, "Check the reward function and the advantage estimator.")
-    return mask
+
+
+ALL_MASKED = (
+    "every response is fully masked (response_mask is all zero): there is no token to train on. "
+    "Check that responses were generated and that response_mask marks them."
+)
 
 
 def sequence_log_prob(token_log_probs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Length-normalised sequence log-prob ``(1/|y|) sum_t log p_t`` -> ``[B]``.
 
-    Rows without any unmasked token give 0 (they carry no loss; callers that need a strict
-    check use :func:`group_log_expectation`, which rejects them).
+    Rows without any unmasked token give 0. A non-finite value anywhere in a row (padding
+    included) makes that row's result non-finite, which callers check cheaply on ``[B]``.
     """
-    mask = response_mask.to(torch.bool)
-    lengths = mask.sum(dim=-1).to(token_log_probs.dtype)
-    summed = torch.where(mask, token_log_probs, torch.zeros_like(token_log_probs)).sum(dim=-1)
-    return summed / lengths.clamp(min=1)
+    mask = response_mask.to(token_log_probs.dtype)
+    lengths = mask.sum(dim=-1)
+    return (token_log_probs * mask).sum(dim=-1) / lengths.clamp(min=1)
 
 
 def group_log_expectation(
@@ -142,10 +156,16 @@ def group_log_expectation_from_tokens(
 
     Non-padding rows must have at least one response token; an empty real response is an error.
     """
-    mask = response_mask.to(torch.bool)
-    lengths = mask.sum(dim=-1)
+    if old_log_prob.shape != response_mask.shape or old_log_prob.dim() != 2:
+        raise GEPOInputError(
+            f"old_log_prob {tuple(old_log_prob.shape)} and response_mask {tuple(response_mask.shape)} "
+            "must be one [B, T] shape"
+        )
+    dtype = compute_dtype(old_log_prob)
+    fmask = response_mask.to(dtype)
+    lengths = fmask.sum(dim=-1)
     if valid is None:
-        valid = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
+        valid = torch.ones(fmask.shape[0], dtype=torch.bool, device=fmask.device)
     empty_real = (lengths == 0) & valid
     if bool(empty_real.any()):
         rows = empty_real.nonzero().flatten().tolist()[:8]
@@ -153,11 +173,12 @@ def group_log_expectation_from_tokens(
             f"{int(empty_real.sum())} response(s) are empty (rows {rows}): a response with no token has no "
             "sequence probability. Drop them before training or mark them as padding."
         )
-    _check_finite("old_log_prob", old_log_prob, mask & valid[:, None], "Check the sampler's log-probs.")
     index = GroupIndex.from_ids(group_ids, device=old_log_prob.device)
-    if index.inverse.shape[0] != mask.shape[0]:
-        raise GEPOInputError(f"{index.inverse.shape[0]} group ids for {mask.shape[0]} responses")
-    s = sequence_log_prob(old_log_prob.to(compute_dtype(old_log_prob)), mask)
+    if index.inverse.shape[0] != fmask.shape[0]:
+        raise GEPOInputError(f"{index.inverse.shape[0]} group ids for {fmask.shape[0]} responses")
+    s = (old_log_prob.to(dtype) * fmask).sum(dim=-1) / lengths.clamp(min=1)
+    if not bool(torch.isfinite(s[valid]).all()):
+        raise_non_finite({"old_log_prob": old_log_prob[valid]}, response_mask[valid].to(torch.bool))
     return group_log_expectation(s, index, valid)
 
 
@@ -211,70 +232,74 @@ def gepo_token_losses(
         raise GEPOInputError(f"clip_ratio_low must be < 1 (the lower bound is 1 - low), got {clip_ratio_low}")
     if sampler_kl_coef < 0:
         raise GEPOInputError(f"sampler_kl_coef must be >= 0, got {sampler_kl_coef}")
-    mask = validate_token_inputs(log_prob, old_log_prob, advantages, response_mask)
+    validate_shapes(log_prob, old_log_prob, advantages, response_mask)
     if log_group_expectation.shape != (log_prob.shape[0],):
         raise GEPOInputError(
             f"log_group_expectation must have shape [{log_prob.shape[0]}] (one value per response), "
             f"got {tuple(log_group_expectation.shape)}"
         )
-    row_valid = mask.any(dim=-1)
-    if not bool(torch.isfinite(log_group_expectation[row_valid]).all()):
-        raise GEPOInputError("the group term log E_hat_q[q] is non-finite for some response")
-
     dtype = compute_dtype(log_prob, old_log_prob)
-    # padded positions may hold anything (even NaN); zero them so no NaN leaks through 0 * NaN
-    zeros = torch.zeros((), dtype=dtype, device=log_prob.device)
-    logp = torch.where(mask, log_prob.to(dtype), zeros)
-    logq = torch.where(mask, old_log_prob.to(dtype), zeros)
-    adv = torch.where(mask, advantages.to(dtype), zeros)
-    log_denominator = log_group_expectation.to(dtype)
+    fmask = response_mask.to(dtype)
+    lengths = fmask.sum(dim=-1)
+    row_valid = lengths > 0
+    if not bool(row_valid.any()):
+        raise GEPOInputError(ALL_MASKED)
+    logp = log_prob.to(dtype)
+    logq = old_log_prob.to(dtype)
+    adv = advantages.to(dtype)
 
-    seq_log_p = sequence_log_prob(logp, mask)
-    log_w = seq_log_p - log_denominator
-    # straight-through: value log_w on every token, gradient d log p_t
-    log_ratio = logp - logp.detach() + log_w.detach().unsqueeze(-1)
-    log_ratio = torch.clamp(log_ratio, max=log_ratio_cap)
+    seq_log_p = (logp * fmask).sum(dim=-1) / lengths.clamp(min=1)
+    log_w = seq_log_p - log_group_expectation.to(dtype)
+    # straight-through: value log_w on every token, gradient d log p_t (as verl's GSPO)
+    log_ratio = torch.clamp(logp - logp.detach() + log_w.detach().unsqueeze(-1), max=log_ratio_cap)
     ratio = torch.exp(log_ratio)
-
     losses_unclipped = -adv * ratio
     losses_clipped = -adv * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     token_losses = torch.maximum(losses_unclipped, losses_clipped)
-
-    kl = k3_kl(logp, logq)
     if sampler_kl_coef > 0:
-        token_losses = token_losses + sampler_kl_coef * kl
+        token_losses = token_losses + sampler_kl_coef * k3_kl(logp, logq)
 
-    metrics = gepo_metrics(log_w, mask, row_valid, losses_unclipped, losses_clipped, kl, logp, logq)
+    with torch.no_grad():
+        # log q - log p per token; k3 = exp(d) - d - 1, so its row sum reuses sum(d)
+        neg_log_ratio = logq - logp.detach()
+        seq_neg_log_ratio = (neg_log_ratio * fmask).sum(dim=-1)
+        seq_exp = (torch.exp(neg_log_ratio) * fmask).sum(dim=-1)  # inf only if q/p > e^88: an honest metric
+        seq_kl = seq_exp - seq_neg_log_ratio - lengths
+        # one cheap check covers every token of every input: 0 * NaN = NaN in these sums
+        checks = torch.stack([log_w, seq_neg_log_ratio, token_losses.detach().sum().expand_as(log_w)])
+        if not bool(torch.isfinite(checks).all()):
+            raise_non_finite(
+                {"log_prob": log_prob, "old_log_prob": old_log_prob, "advantages": advantages},
+                response_mask.to(torch.bool),
+            )
+        if not bool(torch.isfinite(log_group_expectation[row_valid]).all()):
+            raise GEPOInputError("the group term log E_hat_q[q] is non-finite for some response")
+        clipped_tokens = ((losses_clipped > losses_unclipped) * fmask).sum(dim=-1)
+        metrics = gepo_metrics(log_w, lengths, row_valid, clipped_tokens, seq_kl, seq_neg_log_ratio)
     return GEPOLossTerms(token_losses=token_losses, metrics=metrics)
 
 
 @torch.no_grad()
 def gepo_metrics(
     log_w: torch.Tensor,
-    mask: torch.Tensor,
+    lengths: torch.Tensor,
     row_valid: torch.Tensor,
-    losses_unclipped: torch.Tensor,
-    losses_clipped: torch.Tensor,
-    kl: torch.Tensor,
-    logp: torch.Tensor,
-    logq: torch.Tensor,
+    clipped_tokens: torch.Tensor,
+    seq_kl_sum: torch.Tensor,
+    seq_neg_log_ratio_sum: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
-    """Importance-weight statistics over the (non-empty) sequences of one batch."""
+    """Importance-weight statistics over the non-empty sequences of one batch, from ``[B]`` sums."""
     w = torch.exp(log_w.detach()[row_valid])
     n = w.numel()
-    fmask = mask.to(logp.dtype)
-    lengths = fmask.sum(-1).clamp(min=1)
-    clipped_tok = (losses_clipped > losses_unclipped) & mask
-    seq_clipped = clipped_tok.any(dim=-1)[row_valid].to(logp.dtype)
-    seq_kl = ((kl.detach() * fmask).sum(-1) / lengths)[row_valid]
+    total_tokens = lengths.sum()
     return {
         "iw_mean": w.mean(),
         "iw_std": w.std(unbiased=False) if n > 1 else torch.zeros((), dtype=w.dtype),
         "iw_max": w.max(),
         "iw_min": w.min(),
         "ess": w.sum() ** 2 / (n * (w**2).sum()),
-        "clipfrac": seq_clipped.mean(),
-        "token_clipfrac": clipped_tok.sum() / fmask.sum(),
-        "sampler_kl": seq_kl.mean(),
-        "ppo_kl": ((logq - logp.detach()) * fmask).sum() / fmask.sum(),
+        "clipfrac": (clipped_tokens[row_valid] > 0).to(w.dtype).mean(),
+        "token_clipfrac": clipped_tokens.sum() / total_tokens,
+        "sampler_kl": (seq_kl_sum[row_valid] / lengths[row_valid]).mean(),
+        "ppo_kl": seq_neg_log_ratio_sum.sum() / total_tokens,
     }
