@@ -202,11 +202,7 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
     print(f"loss forward+backward: {args.batch} x {args.width} tokens, groups of {args.group_size}")
     times = time_losses(args.batch, args.width, args.group_size, args.repeats, args.warmup)
-    memory = (
-        {}
-        if args.skip_memory
-        else {m: peak_memory(m, args.batch, args.width, args.group_size) for m in LOSSES}
-    )
+    memory = {} if args.skip_memory else {m: peak_memory(m, args.batch, args.width, args.group_size) for m in LOSSES}
     print(f"{'loss':<10}{'median ms':>12}{'vs gspo':>10}{'vs vanilla':>12}{'peak MiB':>11}")
     for mode in LOSSES:
         mem = f"{memory[mode]:>11.1f}" if memory else f"{'-':>11}"

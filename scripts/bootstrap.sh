@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Idempotent set-up of the git-ignored virtual environment at .venv (repository root).
+# Installs the CPU build of torch 2.13 (the machine's local wheel: no multi-GB CUDA download),
+# then gepo-plugin in editable mode with verl[verl-core] and the test/lab extras.
+# Re-running is a no-op unless pyproject.toml changed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+python_bin="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "[bootstrap] creating .venv with $($python_bin --version)"
+  "$python_bin" -m venv .venv
+fi
+stamp=.venv/.gepo-plugin-installed
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import gepo_plugin, verl" 2>/dev/null; then
+  exit 0
+fi
+echo "[bootstrap] installing torch (CPU), verl[verl-core] and gepo-plugin into .venv (a few minutes, once)"
+.venv/bin/python -m pip install --quiet --upgrade pip
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install --quiet "torch==2.13.0"
+fi
+.venv/bin/python -m pip install --quiet -e ".[test,lab]"
+echo "$want" > "$stamp"
+echo "[bootstrap] done"
