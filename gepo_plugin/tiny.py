@@ -1,0 +1,145 @@
+"""A tiny, fully local RL setup: random causal LM, character tokenizer, arithmetic prompts, rule reward.
+
+Nothing is downloaded: the tokenizer is built with ``tokenizers``, the model is a randomly
+initialised Qwen2 of a few hundred thousand parameters, the data is generated. It lets a verl
+user (and this project's CI) run the real verl trainer with the plugin on a CPU::
+
+    python -m gepo_plugin.tiny --out /tmp/tiny      # writes model/, data/train.parquet, data/val.parquet
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
+CHARACTERS = list("0123456789+-*=?:;,.() abcdefghijklmnopqrstuvwxyz\n")
+DATA_SOURCE = "gepo_tiny_arithmetic"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '' }}{% endif %}"
+)
+
+
+def build_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast`` with a chat template (verl applies one to prompts)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<pad>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_model_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=SPECIAL_TOKENS.index("<bos>"),
+        eos_token_id=SPECIAL_TOKENS.index("<eos>"),
+        pad_token_id=SPECIAL_TOKENS.index("<pad>"),
+        torch_dtype="float32",
+    )
+
+
+def write_tiny_model(path: str | Path, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0) -> Path:
+    """Save a random Qwen2 causal LM and its tokenizer to ``path`` (an HF model directory)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(tiny_model_config(len(tokenizer), hidden, layers, heads))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def arithmetic_rows(count: int, seed: int, split: str, max_operand: int = 9) -> list[dict]:
+    """verl RL-format rows: ``a+b=`` prompts whose ground truth is the sum."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "ability": "arithmetic",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": split, "index": index},
+            }
+        )
+    return rows
+
+
+def write_dataset(path: str | Path, train: int = 64, val: int = 16, seed: int = 0) -> tuple[Path, Path]:
+    """Write ``train.parquet`` and ``val.parquet`` in verl's RL dataset format."""
+    import pandas as pd
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    train_file, val_file = path / "train.parquet", path / "val.parquet"
+    pd.DataFrame(arithmetic_rows(train, seed, "train")).to_parquet(train_file)
+    pd.DataFrame(arithmetic_rows(val, seed + 1, "val")).to_parquet(val_file)
+    return train_file, val_file
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    """Rule reward (verl's ``custom_reward_function`` signature): 1 if the first number is the answer."""
+    match = re.search(r"-?\d+", solution_str or "")
+    return 1.0 if match is not None and match.group(0) == str(ground_truth) else 0.0
+
+
+def write_all(out: str | Path, seed: int = 0, train: int = 64, val: int = 16) -> dict[str, str]:
+    out = Path(out)
+    model = write_tiny_model(out / "model", seed=seed)
+    train_file, val_file = write_dataset(out / "data", train=train, val=val, seed=seed)
+    return {
+        "model": str(model),
+        "train_files": str(train_file),
+        "val_files": str(val_file),
+        "reward_path": str(Path(__file__).resolve()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m gepo_plugin.tiny",
+        description="Write a tiny random Qwen2 model, a character tokenizer and an arithmetic dataset in "
+        "verl's format, for trying the plugin on a CPU (nothing is downloaded).",
+    )
+    parser.add_argument("--out", required=True, help="output directory (model/ and data/ are created inside)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model weights and the data (default 0)")
+    parser.add_argument("--train", type=int, default=64, help="number of training prompts (default 64)")
+    parser.add_argument("--val", type=int, default=16, help="number of validation prompts (default 16)")
+    args = parser.parse_args(argv)
+    paths = write_all(args.out, seed=args.seed, train=args.train, val=args.val)
+    print(json.dumps(paths, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
