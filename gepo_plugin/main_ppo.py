@@ -2,8 +2,9 @@
 
 Exactly verl's ``main_ppo`` (same Hydra overrides, same V1 trainer, same Ray start-up), with
 the plugin's config (``gepo_trainer.yaml``: verl's ``ppo_trainer`` plus ``algorithm.loss`` and
-the loss options) and two steps before verl's own start-up: the ``algorithm.loss`` preset is
-applied (never over a key you set yourself) and the plugin's settings are validated.
+the loss options) and three steps before verl's own start-up: the ``algorithm.loss`` preset is
+applied (never over a key you set yourself), ``trainer.device=cpu`` switches to the CPU
+debugging backend, and the plugin's settings are validated.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from gepo_plugin.verl_glue.validation import validate_plugin_config
 def prepare_config(config: DictConfig, overrides: list[str]) -> DictConfig:
     """Apply the loss preset and validate; shared by the CLI and the tests (Hydra compose)."""
     import gepo_plugin.verl_glue.plugin  # noqa: F401  (registrations in this process)
+    from gepo_plugin.cpu_backend.activate import prepare_cpu_run
 
-    apply_loss_preset(config, explicit_override_keys(overrides))
+    explicit = explicit_override_keys(overrides)
+    apply_loss_preset(config, explicit)
+    prepare_cpu_run(config, explicit)
     validate_plugin_config(config)
     return config
 

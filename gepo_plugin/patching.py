@@ -1,14 +1,50 @@
-"""Bookkeeping of patches to verl (see the repository's ``patches/``).
+"""Version-checked patches to verl (their code lives in the repository's ``patches/``).
 
-Every change to verl's behaviour beyond its public hooks is a named, version-checked patch
-recorded here when applied, so ``python -m gepo_plugin doctor`` can say exactly what is active.
+Every change to verl's behaviour beyond its public hooks is a :class:`Patch`: a name, the verl
+versions it was written for, what it fixes and why, and an ``apply`` function. :func:`apply`
+refuses (raises) on any other verl version instead of guessing, and records what it applied in
+:data:`APPLIED`, so ``python -m gepo_plugin doctor`` can say exactly what is active. Patches are
+applied only by the CPU backend, only when ``VERL_PLATFORM=cpu``: GPU users see no change.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 APPLIED: list[str] = []
+
+
+class PatchVersionError(RuntimeError):
+    """A patch was asked to apply to a verl version it was not written for."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    verl_versions: str
+    reason: str
+    apply: Callable[[], None]
 
 
 def applied_patches() -> list[str]:
     """Names of the patches applied in this process, in order."""
     return list(APPLIED)
+
+
+def apply(patch: Patch) -> bool:
+    """Apply ``patch`` once per process; raise :class:`PatchVersionError` on an unsupported verl."""
+    if patch.name in APPLIED:
+        return False
+    import verl
+    from packaging.specifiers import SpecifierSet
+
+    if verl.__version__ not in SpecifierSet(patch.verl_versions):
+        raise PatchVersionError(
+            f"patch {patch.name!r} was written for verl {patch.verl_versions} but verl {verl.__version__} is "
+            f"installed; refusing to patch blindly. It fixes: {patch.reason}. Check whether this verl still "
+            "needs it and update patches/ (or use a supported verl)."
+        )
+    patch.apply()
+    APPLIED.append(patch.name)
+    return True

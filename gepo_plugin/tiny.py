@@ -20,8 +20,7 @@ SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
 CHARACTERS = list("0123456789+-*=?:;,.() abcdefghijklmnopqrstuvwxyz\n")
 DATA_SOURCE = "gepo_tiny_arithmetic"
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '' }}{% endif %}"
+    "{% for message in messages %}{{ message['content'] }}{% endfor %}{% if add_generation_prompt %}{{ '' }}{% endif %}"
 )
 
 
@@ -125,6 +124,57 @@ def write_all(out: str | Path, seed: int = 0, train: int = 64, val: int = 16) ->
     }
 
 
+def cpu_run_overrides(
+    paths: dict[str, str],
+    loss: str = "gepo",
+    mode: str = "sync",
+    steps: int = 3,
+    prompts_per_step: int = 4,
+    responses: int = 4,
+    output_dir: str | None = None,
+    save_freq: int = -1,
+    learners: int = 2,
+) -> list[str]:
+    """Hydra overrides for ``python -m gepo_plugin.main_ppo`` to train the tiny model on CPU.
+
+    ``mode`` is verl's trainer mode (``sync`` or ``separate_async``); ``learners`` is the number
+    of data-parallel training processes (fake "GPUs"); separate_async adds one rollout replica.
+    """
+    overrides = [
+        "trainer.device=cpu",
+        f"algorithm.loss={loss}",
+        f"trainer.v1.trainer_mode={mode}",
+        f"data.train_files={paths['train_files']}",
+        f"data.val_files={paths['val_files']}",
+        f"data.train_batch_size={prompts_per_step}",
+        "data.max_prompt_length=16",
+        "data.max_response_length=8",
+        "data.dataloader_num_workers=0",
+        f"actor_rollout_ref.model.path={paths['model']}",
+        f"actor_rollout_ref.rollout.n={responses}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts_per_step}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        f"reward.custom_reward_function.path={paths['reward_path']}",
+        "reward.custom_reward_function.name=compute_score",
+        f"trainer.n_gpus_per_node={learners}",
+        "trainer.nnodes=1",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.save_freq={save_freq}",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=False",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=gepo_tiny",
+        f"trainer.experiment_name=tiny_{loss}_{mode}",
+    ]
+    if output_dir is not None:
+        overrides.append(f"trainer.default_local_dir={output_dir}/checkpoints")
+    return overrides
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gepo_plugin.tiny",
@@ -135,9 +185,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model weights and the data (default 0)")
     parser.add_argument("--train", type=int, default=64, help="number of training prompts (default 64)")
     parser.add_argument("--val", type=int, default=16, help="number of validation prompts (default 16)")
+    parser.add_argument(
+        "--print-command",
+        choices=["sync", "separate_async"],
+        help="also print a `python -m gepo_plugin.main_ppo` command that trains the tiny model on CPU in this mode",
+    )
+    parser.add_argument("--loss", default="gepo", help="algorithm.loss for --print-command (default gepo)")
     args = parser.parse_args(argv)
     paths = write_all(args.out, seed=args.seed, train=args.train, val=args.val)
     print(json.dumps(paths, indent=2))
+    if args.print_command:
+        overrides = cpu_run_overrides(paths, loss=args.loss, mode=args.print_command)
+        print("python -m gepo_plugin.main_ppo \\\n    " + " \\\n    ".join(overrides))
     return 0
 
 

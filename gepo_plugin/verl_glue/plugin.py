@@ -14,7 +14,18 @@ from gepo_plugin.names import SUPPORTED_VERL, expected_names, registered_names, 
 logger = logging.getLogger("gepo_plugin")
 
 #: What registration found, for ``python -m gepo_plugin doctor``.
-STATUS: dict[str, object] = {"registered": False, "error": None}
+STATUS: dict[str, object] = {"registered": False, "error": None, "cpu_backend": False, "cpu_error": None}
+
+
+def _activate_cpu_backend_loudly() -> None:
+    """CPU backend (only under VERL_PLATFORM=cpu); a failure is logged as an ERROR, never swallowed."""
+    try:
+        from gepo_plugin.cpu_backend.activate import activate_cpu_backend
+
+        STATUS["cpu_backend"] = activate_cpu_backend()
+    except Exception as error:
+        STATUS["cpu_error"] = f"{type(error).__name__}: {error}"
+        logger.error("gepo-plugin: the CPU backend failed to activate: %s", STATUS["cpu_error"])
 
 
 def register() -> bool:
@@ -22,6 +33,9 @@ def register() -> bool:
     try:
         import verl
 
+        # First, before anything resolves verl's platform: the inert cpu platform (selected only by
+        # VERL_PLATFORM=cpu), then, if selected, the CPU backend's registrations and patches.
+        _activate_cpu_backend_loudly()
         if not verl_version_supported(verl.__version__):
             logger.warning(
                 "gepo-plugin supports verl %s but verl %s is installed; registering anyway",

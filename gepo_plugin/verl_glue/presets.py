@@ -166,18 +166,24 @@ def apply_loss_preset(config: DictConfig, explicit: set[str] | None = None) -> L
     Also maps ``trainer.v1.trainer_mode`` to the plugin's trainer of the same mode when the loss
     needs the trainer-side group term. Returns the applied preset (None if no loss is named).
     """
-    explicit = explicit or set()
     name = OmegaConf.select(config, "algorithm.loss", default=None)
     if name is None:
         return None
     preset = get_preset(str(name))
-    with open_dict(config):
-        for key, value in preset.settings.items():
-            if not _is_set_by_user(key, explicit):
-                OmegaConf.update(config, key, value, force_add=True)
-        if preset.needs_group_term:
+    apply_settings(config, preset.settings, explicit)
+    if preset.needs_group_term:
+        with open_dict(config):
             _select_group_term_trainer(config)
     return preset
+
+
+def apply_settings(config: DictConfig, settings: Mapping[str, Any], explicit: set[str] | None = None) -> None:
+    """Set each ``key=value`` of ``settings`` in ``config`` unless the user set that key (or a parent)."""
+    explicit = explicit or set()
+    with open_dict(config):
+        for key, value in settings.items():
+            if not _is_set_by_user(key, explicit):
+                OmegaConf.update(config, key, value, force_add=True)
 
 
 def _select_group_term_trainer(config: DictConfig) -> None:
