@@ -48,15 +48,16 @@ def activate_cpu_backend() -> bool:
         return False
     import importlib
 
-    from gepo_plugin.cpu_backend.hf_rollout import register_hf_rollout
-    from gepo_plugin.cpu_backend.ray_mailbox_engine import register_ray_mailbox_engine
     from gepo_plugin.patching import apply
 
     _register_engines()
-    register_hf_rollout(ROLLOUT_NAME)
-    register_ray_mailbox_engine()
     for name in PATCH_MODULES:
         apply(importlib.import_module(f"gepo_plugin.patches.{name}").PATCH)
+    from gepo_plugin.cpu_backend.hf_rollout import register_hf_rollout
+    from gepo_plugin.cpu_backend.ray_mailbox_engine import register_ray_mailbox_engine
+
+    register_hf_rollout(ROLLOUT_NAME)
+    register_ray_mailbox_engine()
     return True
 
 
