@@ -1,7 +1,8 @@
-"""A tiny, fully local RL setup: random causal LM, character tokenizer, arithmetic prompts, rule reward.
+"""A tiny, fully local RL setup: random Llama-style LM, character tokenizer, arithmetic prompts, rule reward.
 
 Nothing is downloaded: the tokenizer is built with ``tokenizers``, the model is a randomly
-initialised Qwen2 of a few hundred thousand parameters, the data is generated. It lets a verl
+initialised Llama-architecture LM of about 86k parameters (not Qwen: verl's Qwen chat handling
+expects Qwen's special tokens), the data is generated. It lets a verl
 user (and this project's CI) run the real verl trainer with the plugin on a CPU::
 
     python -m gepo_plugin.tiny --out /tmp/tiny      # writes model/, data/train.parquet, data/val.parquet
@@ -31,7 +32,7 @@ def build_tokenizer():
 
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<pad>"
@@ -41,9 +42,9 @@ def build_tokenizer():
 
 
 def tiny_model_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0):
-    from transformers import Qwen2Config
+    from transformers import LlamaConfig
 
-    return Qwen2Config(
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -60,19 +61,25 @@ def tiny_model_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads:
 
 
 def write_tiny_model(path: str | Path, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0) -> Path:
-    """Save a random Qwen2 causal LM and its tokenizer to ``path`` (an HF model directory)."""
+    """Save a random Llama-architecture causal LM and its tokenizer to ``path`` (an HF model directory)."""
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(tiny_model_config(len(tokenizer), hidden, layers, heads))
+    model = LlamaForCausalLM(tiny_model_config(len(tokenizer), hidden, layers, heads))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    # transformers 5 may rebuild a model-specific tokenizer class from the model type, whose own
+    # pre-tokenizer can drop "\n"; pin the generic fast class that was actually saved.
+    config_file = path / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(tokenizer_config, indent=2))
     return path
 
 
@@ -106,10 +113,20 @@ def write_dataset(path: str | Path, train: int = 64, val: int = 16, seed: int = 
     return train_file, val_file
 
 
+FORMAT_REWARD = 0.2
+
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
-    """Rule reward (verl's ``custom_reward_function`` signature): 1 if the first number is the answer."""
-    match = re.search(r"-?\d+", solution_str or "")
-    return 1.0 if match is not None and match.group(0) == str(ground_truth) else 0.0
+    """Rule reward (verl's ``custom_reward_function`` signature).
+
+    1 if the response starts with the right number; ``FORMAT_REWARD`` if it starts with some other
+    number (a format reward, so a random model already sees reward differences within a group);
+    0 otherwise.
+    """
+    match = re.match(r"\s*(-?\d+)", solution_str or "")
+    if match is None:
+        return 0.0
+    return 1.0 if match.group(1) == str(ground_truth) else FORMAT_REWARD
 
 
 def write_all(out: str | Path, seed: int = 0, train: int = 64, val: int = 16) -> dict[str, str]:
@@ -178,7 +195,7 @@ def cpu_run_overrides(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gepo_plugin.tiny",
-        description="Write a tiny random Qwen2 model, a character tokenizer and an arithmetic dataset in "
+        description="Write a tiny random Llama-architecture model, a character tokenizer and an arithmetic dataset in "
         "verl's format, for trying the plugin on a CPU (nothing is downloaded).",
     )
     parser.add_argument("--out", required=True, help="output directory (model/ and data/ are created inside)")

@@ -40,10 +40,6 @@ GEPO_TRAINER_FOR_MODE: dict[str, str] = {
 }
 
 
-def _padded(value) -> torch.Tensor:
-    return value.to_padded_tensor(0) if getattr(value, "is_nested", False) else value
-
-
 def compute_group_terms(uids: np.ndarray, old_log_probs: torch.Tensor, response_mask: torch.Tensor, is_padding):
     """Per-sample ``log E_hat_q[q]`` of each prompt group plus summary metrics (framework-free inputs)."""
     valid = torch.as_tensor(~np.asarray(is_padding, dtype=bool))
@@ -81,11 +77,11 @@ class SampleTermsMixin:
         data = tq.kv_batch_get(
             keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "old_log_probs", "response_mask"]
         )
-        uids = np.array(data["uid"].tolist(), dtype=object)
+        data = data.to_padded_tensor()  # as verl's _compute_advantage: nested -> padded, uid -> a list
+        uid_values = data.get("uid")  # a NonTensorStack, or its plain list (LinkedList) on some paths
+        uids = np.array(uid_values.tolist() if hasattr(uid_values, "tolist") else list(uid_values), dtype=object)
         is_padding = [tag.get("is_padding", False) for tag in batch.tags]
-        log_eq, term_metrics = compute_group_terms(
-            uids, _padded(data["old_log_probs"]), _padded(data["response_mask"]), is_padding
-        )
+        log_eq, term_metrics = compute_group_terms(uids, data["old_log_probs"], data["response_mask"], is_padding)
         metrics.update(term_metrics)
         fields = TensorDict({LOG_GROUP_EXPECTATION: log_eq}, batch_size=len(batch))
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
