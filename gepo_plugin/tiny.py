@@ -192,6 +192,40 @@ def cpu_run_overrides(
     return overrides
 
 
+def run_cpu_training(
+    overrides: list[str], workdir: str | Path, timeout_s: float = 900, env: dict[str, str] | None = None
+) -> tuple[int, dict[int, dict], str]:
+    """Run ``python -m gepo_plugin.main_ppo`` with ``overrides`` in a subprocess.
+
+    Returns the exit code, the metrics verl's tracker logged per step (from its ``file`` backend),
+    and the combined console output.
+    """
+    import os
+    import subprocess
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics_file = workdir / "metrics.jsonl"
+    if metrics_file.exists():
+        metrics_file.unlink()
+    run_env = {**os.environ, **(env or {}), "VERL_FILE_LOGGER_PATH": str(metrics_file), "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(
+        [sys.executable, "-m", "gepo_plugin.main_ppo", *overrides],
+        cwd=workdir,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    metrics: dict[int, dict] = {}
+    if metrics_file.exists():
+        for line in metrics_file.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                metrics.setdefault(int(record["step"]), {}).update(record["data"])
+    return result.returncode, metrics, result.stdout + result.stderr
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gepo_plugin.tiny",

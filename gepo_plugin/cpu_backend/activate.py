@@ -77,6 +77,8 @@ def cpu_run_settings(config: DictConfig) -> dict[str, object]:
         "actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
         "critic.model.override_config.attn_implementation": "sdpa",
         "actor_rollout_ref.rollout.name": ROLLOUT_NAME,
+        # the transformers rollout serves a replica from one process
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
         "actor_rollout_ref.rollout.checkpoint_engine.backend": SEPARATE_CHECKPOINT_ENGINE if separate else "naive",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1,
         # Pool bundles, workers and TransferQueue actors each reserve logical CPUs; with only as many
