@@ -75,9 +75,9 @@ def test_a_patch_refuses_an_unsupported_verl(monkeypatch):
 
     monkeypatch.setattr(verl, "__version__", "0.9.9")
     before = list(APPLIED)
-    with pytest.raises(PatchVersionError, match="written for verl ==0.9.1 but verl 0.9.9"):
+    with pytest.raises(PatchVersionError, match=r"written for verl ==0\.9\.1 but verl 0\.9\.9"):
         apply(PATCH)
-    assert APPLIED == before
+    assert before == APPLIED
 
 
 GLOO_PROBE = r"""
@@ -95,7 +95,7 @@ def test_the_process_group_patch_gives_a_working_gloo_group():
     result = subprocess.run([sys.executable, "-c", GLOO_PROBE], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
-    assert lines[-2] == "gloo" and lines[-1] == "[1.0, 1.0, 1.0]"
+    assert lines[-2] == "cpu:gloo" and lines[-1] == "[1.0, 1.0, 1.0]"
 
 
 def test_cpu_device_module_answers_verls_calls():
