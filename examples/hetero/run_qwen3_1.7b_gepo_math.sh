@@ -1,0 +1,231 @@
+#!/usr/bin/env bash
+# HeteroRL + GEPO on math, Qwen3-1.7B: learner (FSDP) on LEARNER_NODES nodes, samplers (verl's standalone
+# vLLM rollout replicas) on SAMPLER_NODES other nodes, verl V1 `separate_async` with the plugin's exact
+# staleness bound and simulated log-normal weight-arrival delay (GEPO, arXiv 2508.17850).
+#
+# Resources (estimates; NOT run in this repository's CI, which has no GPUs):
+#   GPUs    (LEARNER_NODES + SAMPLER_NODES) nodes x 8 GPUs with >= 40 GB each (80 GB A100/H100 comfortable);
+#           default 1 learner node + 1 sampler node = 16 GPUs
+#   nodes   a running Ray cluster spanning all of them (examples/ray/start_head.sh + start_worker.sh, or
+#           examples/slurm/gepo_hetero.sbatch); run this script ON THE HEAD NODE
+#   memory  >= 128 GB host RAM per node (FSDP state, Ray object store, vLLM)
+#   disk    ~4 GB for the model in every node's HF cache; ~21 GB per checkpoint (fp32 weights + Adam state),
+#           MAX_CKPT_TO_KEEP of them, in CKPT_DIR on a file system shared by all learner nodes
+#   network learner <-> sampler NCCL (weight sync, ~3.4 GB bf16 per update) and Ray ports between all nodes
+#   software gepo-plugin + verl 0.9.1 + vLLM + math-verify on every node (pip install "gepo-plugin[math]")
+#
+# Environment variables (defaults in brackets):
+#   MODEL_PATH [Qwen/Qwen3-1.7B]  DATA_DIR [$HOME/data/gepo_math]  TRAIN_FILE [$DATA_DIR/train.parquet]
+#   VAL_FILE [$DATA_DIR/test.parquet]  (make both with examples/data/prepare_math.py)
+#   LEARNER_NODES [1]  LEARNER_GPUS_PER_NODE [8]  SAMPLER_NODES [1]  SAMPLER_GPUS_PER_NODE [8]
+#   ROLLOUT_TP [1]  ROLLOUT_GPU_MEMORY [0.85]  HYBRID_ENGINE [False]
+#   SAMPLERS_PER_NODE_GROUP [1]: sampler nodes per delay stream (hetero.sampler_groups), or set
+#   SAMPLER_GROUPS verbatim, e.g. [8,4,4] replicas per group, or null (one group per replica)
+#   MAX_LAG [64]  LAG_STRATEGY [wait]  DELAY [lognormal]  DELAY_LOW [60]  DELAY_HIGH [1920]
+#   DELAY_CONFIDENCE [0.995]  HETERO_SEED [0]  SAMPLER_KL_COEF [0.005]
+#   PROMPTS_PER_STEP [32]  GROUP_SIZE [8]  MAX_PROMPT_LENGTH [768]  MAX_RESPONSE_LENGTH [2048]  LR [1e-6]
+#   TOTAL_STEPS [1300]  TEST_FREQ [64]  SAVE_FREQ [64]  MAX_CKPT_TO_KEEP [3]  PPO_MAX_TOKENS_PER_GPU [16384]
+#   REWARD_WORKERS [8]  PROJECT_NAME [gepo_hetero]  EXPERIMENT_NAME [derived]  CKPT_DIR [checkpoints/...]
+#   RAY_ADDRESS [auto: the cluster this node belongs to; empty: ray.init() default]  PYTHON [python3]
+#   PRINT_ONLY [0]  1 (or --print-command as the first argument): print the command instead of running it
+# Extra Hydra overrides go after the script's own and win: ./run_qwen3_1.7b_gepo_math.sh hetero.max_lag=8
+set -euo pipefail
+
+if [[ "${1:-}" == "--print-command" ]]; then
+  PRINT_ONLY=1
+  shift
+fi
+PRINT_ONLY="${PRINT_ONLY:-0}"
+
+PYTHON="${PYTHON:-python3}"
+MODEL_PATH="${MODEL_PATH:-Qwen/Qwen3-1.7B}"
+DATA_DIR="${DATA_DIR:-$HOME/data/gepo_math}"
+TRAIN_FILE="${TRAIN_FILE:-$DATA_DIR/train.parquet}"
+VAL_FILE="${VAL_FILE:-$DATA_DIR/test.parquet}"
+
+# ---- layout: learner nodes and sampler nodes ----
+LEARNER_NODES="${LEARNER_NODES:-1}"
+LEARNER_GPUS_PER_NODE="${LEARNER_GPUS_PER_NODE:-8}"
+SAMPLER_NODES="${SAMPLER_NODES:-1}"
+SAMPLER_GPUS_PER_NODE="${SAMPLER_GPUS_PER_NODE:-8}"
+# Qwen3-1.7B fits one GPU: one vLLM replica per GPU (notes silent; verl's default TP is 2)
+ROLLOUT_TP="${ROLLOUT_TP:-1}"
+# the sampler GPUs hold only vLLM, so most of their memory can go to the KV cache (verl default 0.5)
+ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-0.85}"
+# False: the learner's GPUs never generate; every training rollout comes from a (delayed) sampler
+HYBRID_ENGINE="${HYBRID_ENGINE:-False}"
+# Delay streams: one sampler group (one independent weight-arrival delay) per SAMPLERS_PER_NODE_GROUP nodes
+SAMPLERS_PER_NODE_GROUP="${SAMPLERS_PER_NODE_GROUP:-1}"
+
+# ---- HeteroRL (paper: log-normal delay with [60 s, 1920 s] as its central 99.5% interval for 1.7B) ----
+MAX_LAG="${MAX_LAG:-64}"
+LAG_STRATEGY="${LAG_STRATEGY:-wait}"
+DELAY="${DELAY:-lognormal}"
+DELAY_LOW="${DELAY_LOW:-60}"
+DELAY_HIGH="${DELAY_HIGH:-1920}"
+DELAY_CONFIDENCE="${DELAY_CONFIDENCE:-0.995}"
+HETERO_SEED="${HETERO_SEED:-0}"
+
+# ---- GEPO paper settings (shared/notes/gepo-method.md) ----
+SAMPLER_KL_COEF="${SAMPLER_KL_COEF:-0.005}"
+PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-32}"
+GROUP_SIZE="${GROUP_SIZE:-8}"
+MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-768}"
+MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-2048}"
+LR="${LR:-1e-6}"
+TOTAL_STEPS="${TOTAL_STEPS:-1300}"
+TEST_FREQ="${TEST_FREQ:-64}"
+SAVE_FREQ="${SAVE_FREQ:-64}"
+MAX_CKPT_TO_KEEP="${MAX_CKPT_TO_KEEP:-3}"
+PPO_MAX_TOKENS_PER_GPU="${PPO_MAX_TOKENS_PER_GPU:-16384}"
+REWARD_WORKERS="${REWARD_WORKERS:-8}"
+
+PROJECT_NAME="${PROJECT_NAME:-gepo_hetero}"
+EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3-1.7b-gepo-math-L${LEARNER_NODES}S${SAMPLER_NODES}-lag${MAX_LAG}-${DELAY}}"
+CKPT_DIR="${CKPT_DIR:-checkpoints/${PROJECT_NAME}/${EXPERIMENT_NAME}}"
+
+# one entry per sampler group, each the number of rollout replicas it holds
+replicas_per_node=$((SAMPLER_GPUS_PER_NODE / ROLLOUT_TP))
+if ((replicas_per_node < 1 || SAMPLER_GPUS_PER_NODE % ROLLOUT_TP != 0)); then
+  echo "SAMPLER_GPUS_PER_NODE ($SAMPLER_GPUS_PER_NODE) must be a multiple of ROLLOUT_TP ($ROLLOUT_TP)" >&2
+  exit 2
+fi
+if ((SAMPLER_NODES % SAMPLERS_PER_NODE_GROUP != 0)); then
+  echo "SAMPLER_NODES ($SAMPLER_NODES) must be a multiple of SAMPLERS_PER_NODE_GROUP ($SAMPLERS_PER_NODE_GROUP)" >&2
+  exit 2
+fi
+groups=()
+for ((i = 0; i < SAMPLER_NODES / SAMPLERS_PER_NODE_GROUP; i++)); do
+  groups+=("$((replicas_per_node * SAMPLERS_PER_NODE_GROUP))")
+done
+SAMPLER_GROUPS="${SAMPLER_GROUPS:-[$(IFS=,; echo "${groups[*]}")]}"
+
+# separate_async: one optimizer step per weight version, as in the paper (32 prompts x 8 = 256 rollouts)
+PARAMETER_SYNC_STEP=1
+PPO_MINI_BATCH_SIZE=$((PROMPTS_PER_STEP / PARAMETER_SYNC_STEP))
+
+DATA=(
+  data.train_files="$TRAIN_FILE"
+  data.val_files="$VAL_FILE"
+  data.train_batch_size="$PROMPTS_PER_STEP"
+  data.max_prompt_length="$MAX_PROMPT_LENGTH"
+  data.max_response_length="$MAX_RESPONSE_LENGTH"
+  data.filter_overlong_prompts=True
+  data.truncation=error
+)
+
+ALGORITHM=(
+  # preset: loss_mode=gepo, per-prompt group, mean-centred advantages (grpo without std), seq-mean-token-mean,
+  # q = the sampler's log-probs (rollout_correction.bypass_mode), clip 0.2/0.2
+  algorithm.loss=gepo
+  algorithm.use_kl_in_reward=False
+  actor_rollout_ref.actor.clip_ratio_low=0.2
+  actor_rollout_ref.actor.clip_ratio_high=0.2
+  # KL toward the sampler policy (k3, per token), the paper's async runs; no reference-model KL
+  actor_rollout_ref.actor.policy_loss.sampler_kl_coef="$SAMPLER_KL_COEF"
+  actor_rollout_ref.actor.use_kl_loss=False
+  actor_rollout_ref.actor.entropy_coeff=0
+)
+
+LEARNER=(
+  actor_rollout_ref.model.path="$MODEL_PATH"
+  actor_rollout_ref.model.use_remove_padding=True
+  actor_rollout_ref.model.enable_gradient_checkpointing=True
+  actor_rollout_ref.hybrid_engine="$HYBRID_ENGINE"
+  actor_rollout_ref.actor.ppo_mini_batch_size="$PPO_MINI_BATCH_SIZE"
+  actor_rollout_ref.actor.ppo_epochs=1
+  actor_rollout_ref.actor.use_dynamic_bsz=True
+  actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$PPO_MAX_TOKENS_PER_GPU"
+  # lr 1e-6 constant with 3% warm-up (paper); weight decay 0 as in the reference's HF-Trainer defaults
+  actor_rollout_ref.actor.optim.lr="$LR"
+  actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.03
+  actor_rollout_ref.actor.optim.lr_scheduler_type=constant
+  actor_rollout_ref.actor.optim.weight_decay=0.0
+  trainer.nnodes="$LEARNER_NODES"
+  trainer.n_gpus_per_node="$LEARNER_GPUS_PER_NODE"
+)
+
+SAMPLERS=(
+  actor_rollout_ref.rollout.name=vllm
+  actor_rollout_ref.rollout.mode=async
+  actor_rollout_ref.rollout.nnodes="$SAMPLER_NODES"
+  actor_rollout_ref.rollout.n_gpus_per_node="$SAMPLER_GPUS_PER_NODE"
+  actor_rollout_ref.rollout.tensor_model_parallel_size="$ROLLOUT_TP"
+  actor_rollout_ref.rollout.gpu_memory_utilization="$ROLLOUT_GPU_MEMORY"
+  actor_rollout_ref.rollout.n="$GROUP_SIZE"
+  actor_rollout_ref.rollout.temperature=0.6
+  actor_rollout_ref.rollout.top_p=0.95
+  actor_rollout_ref.rollout.top_k=20
+  actor_rollout_ref.rollout.calculate_log_probs=True
+  actor_rollout_ref.rollout.checkpoint_engine.backend=nccl
+  # evaluation: pass@1 averaged over 8 samples with the training sampling parameters (paper)
+  actor_rollout_ref.rollout.val_kwargs.n=8
+  actor_rollout_ref.rollout.val_kwargs.do_sample=True
+  actor_rollout_ref.rollout.val_kwargs.temperature=0.6
+  actor_rollout_ref.rollout.val_kwargs.top_p=0.95
+  actor_rollout_ref.rollout.val_kwargs.top_k=20
+)
+
+REWARD=(
+  # rule reward computed in verl's streaming reward loop, as each rollout finishes (no reward model)
+  reward.custom_reward_function.path=pkg://gepo_plugin.rewards.math_verify_reward
+  reward.custom_reward_function.name=compute_score
+  reward.reward_model.enable=False
+  reward.num_workers="$REWARD_WORKERS"
+)
+
+ASYNC=(
+  trainer.v1.trainer_mode=separate_async
+  trainer.v1.separate_async.parameter_sync_step="$PARAMETER_SYNC_STEP"
+  transfer_queue.enable=True
+  hetero.enable=true
+  hetero.max_lag="$MAX_LAG"
+  hetero.strategy="$LAG_STRATEGY"
+  hetero.seed="$HETERO_SEED"
+  hetero.sampler_groups="$SAMPLER_GROUPS"
+  hetero.delay.distribution="$DELAY"
+)
+case "$DELAY" in
+  lognormal | weibull)
+    ASYNC+=(hetero.delay.low="$DELAY_LOW" hetero.delay.high="$DELAY_HIGH" hetero.delay.confidence="$DELAY_CONFIDENCE")
+    ;;
+esac
+
+TRAINER=(
+  trainer.logger='[console,wandb]'
+  trainer.project_name="$PROJECT_NAME"
+  trainer.experiment_name="$EXPERIMENT_NAME"
+  trainer.total_training_steps="$TOTAL_STEPS"
+  trainer.total_epochs=100
+  trainer.test_freq="$TEST_FREQ"
+  trainer.save_freq="$SAVE_FREQ"
+  trainer.max_actor_ckpt_to_keep="$MAX_CKPT_TO_KEEP"
+  trainer.val_before_train=True
+  trainer.default_local_dir="$CKPT_DIR"
+)
+
+COMMAND=("$PYTHON" -m gepo_plugin.main_ppo "${DATA[@]}" "${ALGORITHM[@]}" "${LEARNER[@]}" "${SAMPLERS[@]}"
+  "${REWARD[@]}" "${ASYNC[@]}" "${TRAINER[@]}" "$@")
+
+if [[ "$PRINT_ONLY" == 1 ]]; then
+  printf '%q ' "${COMMAND[@]}"
+  printf '\n'
+  exit 0
+fi
+
+for file in "$TRAIN_FILE" "$VAL_FILE"; do
+  if [[ ! -f "$file" ]]; then
+    echo "missing $file: create it with examples/data/prepare_math.py (see examples/README.md)" >&2
+    exit 1
+  fi
+done
+# verl's ray.init() joins the cluster this node belongs to ("auto"); an empty RAY_ADDRESS leaves it to ray.init()'s
+# default (join a cluster started on this machine, or start a local one), as the single-node script does
+RAY_ADDRESS="${RAY_ADDRESS-auto}"
+if [[ -n "$RAY_ADDRESS" ]]; then export RAY_ADDRESS; else unset RAY_ADDRESS; fi
+export HYDRA_FULL_ERROR=1
+echo "learner: ${LEARNER_NODES}x${LEARNER_GPUS_PER_NODE} GPUs, samplers: ${SAMPLER_NODES}x${SAMPLER_GPUS_PER_NODE} GPUs" \
+  "(groups $SAMPLER_GROUPS), max_lag=$MAX_LAG, delay=$DELAY"
+printf '%q ' "${COMMAND[@]}"
+printf '\n'
+exec "${COMMAND[@]}"

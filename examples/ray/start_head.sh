@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Start the Ray head on this node (run it first, on the node that will run the launch script).
+#
+# Resources: one GPU node of the cluster (it also serves as a learner or sampler node: pass its GPUs to Ray);
+# the head's ports must be reachable from every other node: RAY_PORT (GCS), DASHBOARD_PORT, RAY_CLIENT_PORT,
+# and Ray's node-manager/object-manager/worker ports (pin them with RAY_EXTRA_ARGS behind a firewall).
+# Software: the same Python environment (gepo-plugin, verl 0.9.1, vLLM, math-verify, Ray >= 2.44 for --labels)
+# on every node.
+#
+# Environment variables (defaults in brackets):
+#   NODE_IP [first address of `hostname -I`]  RAY_PORT [6379]  DASHBOARD_PORT [8265]  RAY_CLIENT_PORT [10001]
+#   NUM_GPUS [number of GPUs nvidia-smi lists]  RAY_NUM_CPUS [unset: Ray detects]
+#   NODE_ROLE [learner]: informational Ray node label gepo-role=<role> (verl 0.9.1 does not place workers by
+#     label: the learner and sampler pools take whatever GPUs are free), empty = no label
+#   RAY_BLOCK [0]: 1 = keep `ray start` in the foreground (what Slurm's srun needs)
+#   RAY_EXTRA_ARGS []: more `ray start` arguments, e.g. "--min-worker-port 20000 --max-worker-port 29999"
+#   PRINT_ONLY [0]: 1 (or --print-command) prints the `ray start` command instead of running it
+# Afterwards: start_worker.sh on every other node with RAY_HEAD_ADDRESS=<NODE_IP>:<RAY_PORT>, check with
+# `ray status`, then run the launch script on this node.
+set -euo pipefail
+
+if [[ "${1:-}" == "--print-command" ]]; then
+  PRINT_ONLY=1
+  shift
+fi
+PRINT_ONLY="${PRINT_ONLY:-0}"
+
+NODE_IP="${NODE_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}"
+NODE_IP="${NODE_IP:-127.0.0.1}"
+RAY_PORT="${RAY_PORT:-6379}"
+DASHBOARD_PORT="${DASHBOARD_PORT:-8265}"
+RAY_CLIENT_PORT="${RAY_CLIENT_PORT:-10001}"
+NUM_GPUS="${NUM_GPUS:-$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)}"
+NODE_ROLE="${NODE_ROLE-learner}"
+RAY_BLOCK="${RAY_BLOCK:-0}"
+
+COMMAND=(ray start --head
+  --node-ip-address="$NODE_IP"
+  --port="$RAY_PORT"
+  --dashboard-host=0.0.0.0
+  --dashboard-port="$DASHBOARD_PORT"
+  --ray-client-server-port="$RAY_CLIENT_PORT"
+  --num-gpus="$NUM_GPUS")
+if [[ -n "${RAY_NUM_CPUS:-}" ]]; then
+  COMMAND+=(--num-cpus="$RAY_NUM_CPUS")
+fi
+if [[ -n "$NODE_ROLE" ]]; then
+  COMMAND+=(--labels="gepo-role=$NODE_ROLE")
+fi
+if [[ "$RAY_BLOCK" == 1 ]]; then
+  COMMAND+=(--block)
+fi
+# shellcheck disable=SC2206  # word splitting of RAY_EXTRA_ARGS is intended
+COMMAND+=(${RAY_EXTRA_ARGS:-} "$@")
+
+if [[ "$PRINT_ONLY" == 1 ]]; then
+  printf '%q ' "${COMMAND[@]}"
+  printf '\n'
+  exit 0
+fi
+echo "starting the Ray head at $NODE_IP:$RAY_PORT with $NUM_GPUS GPUs (dashboard :$DASHBOARD_PORT)"
+"${COMMAND[@]}"

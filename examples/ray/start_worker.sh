@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Join this node to a running Ray cluster (after start_head.sh on the head node).
+#
+# Resources: one GPU node (learner or sampler); it must reach the head's RAY_PORT and the other nodes' Ray ports,
+# and (for NCCL weight sync between learner and samplers) the other GPU nodes' network. The same Python
+# environment as the head (gepo-plugin, verl 0.9.1, vLLM, math-verify, Ray >= 2.44 for --labels).
+#
+# Environment variables (defaults in brackets):
+#   RAY_HEAD_ADDRESS (required) <head ip>:<port>, e.g. 10.0.0.1:6379
+#   NODE_IP [first address of `hostname -I`]  NUM_GPUS [number of GPUs nvidia-smi lists]  RAY_NUM_CPUS [unset]
+#   NODE_ROLE [sampler]: informational Ray node label gepo-role=<role>, empty = no label
+#   RAY_BLOCK [0]: 1 = keep `ray start` in the foreground (what Slurm's srun needs)
+#   RAY_EXTRA_ARGS []: more `ray start` arguments
+#   PRINT_ONLY [0]: 1 (or --print-command) prints the `ray start` command instead of running it
+set -euo pipefail
+
+if [[ "${1:-}" == "--print-command" ]]; then
+  PRINT_ONLY=1
+  shift
+fi
+PRINT_ONLY="${PRINT_ONLY:-0}"
+
+if [[ -z "${RAY_HEAD_ADDRESS:-}" ]]; then
+  echo "set RAY_HEAD_ADDRESS=<head ip>:<port> (what start_head.sh printed)" >&2
+  exit 2
+fi
+NODE_IP="${NODE_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}"
+NODE_IP="${NODE_IP:-127.0.0.1}"
+NUM_GPUS="${NUM_GPUS:-$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)}"
+NODE_ROLE="${NODE_ROLE-sampler}"
+RAY_BLOCK="${RAY_BLOCK:-0}"
+
+COMMAND=(ray start
+  --address="$RAY_HEAD_ADDRESS"
+  --node-ip-address="$NODE_IP"
+  --num-gpus="$NUM_GPUS")
+if [[ -n "${RAY_NUM_CPUS:-}" ]]; then
+  COMMAND+=(--num-cpus="$RAY_NUM_CPUS")
+fi
+if [[ -n "$NODE_ROLE" ]]; then
+  COMMAND+=(--labels="gepo-role=$NODE_ROLE")
+fi
+if [[ "$RAY_BLOCK" == 1 ]]; then
+  COMMAND+=(--block)
+fi
+# shellcheck disable=SC2206  # word splitting of RAY_EXTRA_ARGS is intended
+COMMAND+=(${RAY_EXTRA_ARGS:-} "$@")
+
+if [[ "$PRINT_ONLY" == 1 ]]; then
+  printf '%q ' "${COMMAND[@]}"
+  printf '\n'
+  exit 0
+fi
+echo "joining the Ray cluster at $RAY_HEAD_ADDRESS as $NODE_IP with $NUM_GPUS GPUs (role ${NODE_ROLE:-none})"
+"${COMMAND[@]}"

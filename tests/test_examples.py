@@ -1,0 +1,483 @@
+"""examples/: the launch scripts parse and their commands resolve with the plugin's real config; the data
+preparation writes what verl's loader reads; the math-verify reward scores boxed answers.
+
+The GPU runs themselves cannot happen here (no GPUs): what is checked is that every script is valid bash,
+that its printed ``python -m gepo_plugin.main_ppo`` command composes with Hydra (``--cfg job``, the real CLI)
+and, through ``prepare_config`` and verl's ``validate_config``, into the settings the script intends.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+SHELL_FILES = sorted([*EXAMPLES.rglob("*.sh"), *EXAMPLES.rglob("*.sbatch")])
+REWARD_PATH = "pkg://gepo_plugin.rewards.math_verify_reward"
+BOXED_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+EXTRA_OVERRIDE = "trainer.total_training_steps=7"  # appended by the test: "$@" must come last and win
+
+# script -> (extra environment, what the resolved config must hold)
+LAUNCHES: dict[str, tuple[dict[str, str], dict]] = {
+    "hetero/run_qwen3_1.7b_gepo_math.sh": (
+        {"LEARNER_NODES": "2", "SAMPLER_NODES": "3"},
+        {
+            "mode": "separate_async",
+            "learner": (2, 8),
+            "samplers": (3, 8),
+            "hetero": True,
+            "sampler_groups": [8, 8, 8],
+            "sampler_kl_coef": 0.005,
+        },
+    ),
+    "hetero/run_qwen3_1.7b_gepo_math_1node_8gpu.sh": (
+        {},
+        {
+            "mode": "separate_async",
+            "learner": (1, 4),
+            "samplers": (1, 4),
+            "hetero": True,
+            "sampler_groups": None,
+            "sampler_kl_coef": 0.005,
+        },
+    ),
+    "sync/run_qwen3_1.7b_gepo_math_sync.sh": (
+        {},
+        {"mode": "sync", "learner": (1, 8), "hetero": False, "sampler_kl_coef": 0.0},
+    ),
+    "slurm/gepo_hetero.sbatch": (
+        {"SLURM_JOB_NUM_NODES": "4", "LEARNER_NODES": "1"},
+        {
+            "mode": "separate_async",
+            "learner": (1, 8),
+            "samplers": (3, 8),
+            "hetero": True,
+            "sampler_groups": [8, 8, 8],
+            "sampler_kl_coef": 0.005,
+        },
+    ),
+}
+# `python -m gepo_plugin.main_ppo <overrides> --cfg job` for these; each start of the CLI imports verl (~10 s of CPU),
+# so one interpreter runs the module the way `python -m` does (runpy, run_name="__main__") once per script
+CFG_JOB_SCRIPTS = [name for name in LAUNCHES if name.endswith(".sh")]
+MARKER = "=== gepo-cfg-job"
+CFG_JOB_RUNNER = f"""
+import json, runpy, sys
+for name, overrides in json.loads(sys.argv[1]):
+    print("{MARKER} begin", name, flush=True)
+    sys.argv = ["gepo_plugin.main_ppo", *overrides, "--cfg", "job"]
+    code = 0
+    try:
+        runpy.run_module("gepo_plugin.main_ppo", run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    print("{MARKER} end", name, code, flush=True)
+"""
+
+
+def script_env(tmp: Path, extra: dict[str, str]) -> dict[str, str]:
+    """A clean environment (no knobs inherited from the caller's shell) with dummy paths."""
+    return {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp),
+        "PRINT_ONLY": "1",
+        "PYTHON": "python",
+        "DATA_DIR": str(tmp / "data"),
+        **extra,
+    }
+
+
+def printed_overrides(name: str, tmp: Path) -> list[str]:
+    env, _ = LAUNCHES[name]
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / name), EXTRA_OVERRIDE],
+        env=script_env(tmp, env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    words = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert "gepo_plugin.main_ppo" in words, result.stdout
+    overrides = words[words.index("gepo_plugin.main_ppo") + 1 :]
+    assert overrides[-1] == EXTRA_OVERRIDE
+    return overrides
+
+
+@pytest.fixture(scope="module")
+def overrides_by_script(tmp_path_factory) -> dict[str, list[str]]:
+    tmp = tmp_path_factory.mktemp("launch")
+    return {name: printed_overrides(name, tmp) for name in LAUNCHES}
+
+
+@pytest.fixture(scope="module")
+def cfg_jobs(overrides_by_script, tmp_path_factory):
+    """Start resolving every launch command with the CLI's ``--cfg job`` (in the background, one process)."""
+    workdir = tmp_path_factory.mktemp("cfg_job")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "1"}
+    jobs = json.dumps([[name, overrides_by_script[name]] for name in CFG_JOB_SCRIPTS])
+    process = subprocess.Popen(
+        [sys.executable, "-c", CFG_JOB_RUNNER, jobs],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    results: dict[str, tuple[int, str]] = {}
+
+    def collect() -> dict[str, tuple[int, str]]:
+        if not results:
+            stdout, stderr = process.communicate(timeout=300)
+            for chunk in stdout.split(f"{MARKER} begin ")[1:]:
+                name, _, rest = chunk.partition("\n")
+                text, _, end = rest.partition(f"{MARKER} end {name} ")
+                results[name] = (int(end.split()[0]) if end else -1, text)
+            for name in CFG_JOB_SCRIPTS:
+                results.setdefault(name, (-1, ""))
+            results["stderr"] = (process.returncode, stderr)
+        return results
+
+    yield collect
+    if process.poll() is None:
+        process.kill()
+        process.communicate()
+
+
+# ---------------------------------------------------------------- scripts
+
+
+@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda path: str(path.relative_to(EXAMPLES)))
+def test_every_example_script_is_valid_bash(path):
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    text = path.read_text()
+    assert "set -euo pipefail" in text
+    assert "PRINT_ONLY" in text
+
+
+def test_the_expected_scripts_exist():
+    names = {str(path.relative_to(EXAMPLES)) for path in SHELL_FILES}
+    assert set(LAUNCHES) | {"ray/start_head.sh", "ray/start_worker.sh"} <= names
+
+
+def test_launch_scripts_print_their_command(overrides_by_script, cfg_jobs):
+    # (requesting cfg_jobs starts the `--cfg job` subprocesses now, so they run while the other tests do)
+    for name, overrides in overrides_by_script.items():
+        keys = [override.split("=", 1)[0] for override in overrides]
+        assert "algorithm.loss" in keys, name
+        assert f"reward.custom_reward_function.path={REWARD_PATH}" in overrides, name
+
+
+def test_ray_scripts_print_ray_start(tmp_path):
+    head = subprocess.run(
+        ["bash", str(EXAMPLES / "ray/start_head.sh")],
+        env=script_env(tmp_path, {"NODE_IP": "10.0.0.1", "NUM_GPUS": "8", "RAY_PORT": "6380"}),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert head.returncode == 0, head.stderr
+    words = shlex.split(head.stdout)
+    assert words[:3] == ["ray", "start", "--head"]
+    assert {"--port=6380", "--num-gpus=8", "--node-ip-address=10.0.0.1", "--labels=gepo-role=learner"} <= set(words)
+
+    worker_env = {"RAY_HEAD_ADDRESS": "10.0.0.1:6380", "NUM_GPUS": "8", "NODE_IP": "10.0.0.2", "RAY_BLOCK": "1"}
+    worker = subprocess.run(
+        ["bash", str(EXAMPLES / "ray/start_worker.sh")],
+        env=script_env(tmp_path, worker_env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert worker.returncode == 0, worker.stderr
+    words = shlex.split(worker.stdout)
+    assert {"--address=10.0.0.1:6380", "--labels=gepo-role=sampler", "--block"} <= set(words)
+
+    missing = subprocess.run(
+        ["bash", str(EXAMPLES / "ray/start_worker.sh")],
+        env=script_env(tmp_path, {}),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert missing.returncode != 0 and "RAY_HEAD_ADDRESS" in missing.stderr
+
+
+def test_delay_can_be_switched_off(tmp_path):
+    env, _ = LAUNCHES["hetero/run_qwen3_1.7b_gepo_math.sh"]
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "hetero/run_qwen3_1.7b_gepo_math.sh"), "--print-command"],
+        env={**script_env(tmp_path, env), "PRINT_ONLY": "0", "DELAY": "none", "MAX_LAG": "4"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    words = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert "hetero.delay.distribution=none" in words and "hetero.max_lag=4" in words
+    assert not any(word.startswith("hetero.delay.low") for word in words)
+
+
+# ------------------------------------------------- resolution with the plugin's config
+
+
+def compose_and_prepare(overrides: list[str]):
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from gepo_plugin.main_ppo import prepare_config
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="gepo_plugin.config", version_base=None):
+        config = compose(config_name="gepo_trainer", overrides=overrides)
+    return prepare_config(config, overrides)
+
+
+def check_intent(config, expect: dict, *, prepared: bool) -> None:
+    """The settings every launch script must carry (``config``: a DictConfig, or the ``--cfg job`` dict)."""
+    config = OmegaConf.create(config) if isinstance(config, dict) else config
+
+    def get(key):
+        return OmegaConf.select(config, key, throw_on_missing=False)
+
+    mode = expect["mode"]
+    assert get("algorithm.loss") == "gepo"
+    # prepare_config maps verl's mode to the plugin's trainer with GEPO's per-prompt group term
+    assert get("trainer.v1.trainer_mode") == (f"gepo_{mode}" if prepared else mode)
+    assert (get("trainer.nnodes"), get("trainer.n_gpus_per_node")) == expect["learner"]
+    assert get("hetero.enable") is expect["hetero"]
+    assert get("actor_rollout_ref.actor.policy_loss.sampler_kl_coef") == expect["sampler_kl_coef"]
+    assert get("trainer.total_training_steps") == 7  # the extra override passed to the script
+    assert list(get("trainer.logger")) == ["console", "wandb"]
+    assert get("reward.custom_reward_function.path") == REWARD_PATH
+    assert get("reward.custom_reward_function.name") == "compute_score"
+    assert get("reward.reward_model.enable") is False
+    # paper settings (shared/notes/gepo-method.md)
+    assert get("data.train_batch_size") == 32 and get("actor_rollout_ref.rollout.n") == 8
+    assert (get("data.max_prompt_length"), get("data.max_response_length")) == (768, 2048)
+    assert get("actor_rollout_ref.actor.optim.lr") == 1e-6
+    assert get("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio") == 0.03
+    assert get("actor_rollout_ref.actor.optim.lr_scheduler_type") == "constant"
+    assert (get("actor_rollout_ref.actor.clip_ratio_low"), get("actor_rollout_ref.actor.clip_ratio_high")) == (0.2, 0.2)
+    assert get("actor_rollout_ref.actor.use_kl_loss") is False
+    rollout = "actor_rollout_ref.rollout"
+    assert (get(f"{rollout}.temperature"), get(f"{rollout}.top_p"), get(f"{rollout}.top_k")) == (0.6, 0.95, 20)
+    assert get(f"{rollout}.name") == "vllm"
+    assert (get(f"{rollout}.val_kwargs.n"), get(f"{rollout}.val_kwargs.temperature")) == (8, 0.6)
+    assert get("trainer.test_freq") == 64
+    if mode == "separate_async":
+        assert (get(f"{rollout}.nnodes"), get(f"{rollout}.n_gpus_per_node")) == expect["samplers"]
+        assert get(f"{rollout}.checkpoint_engine.backend") == "nccl"
+        sync_step = get("trainer.v1.separate_async.parameter_sync_step")
+        # verl's separate_async trainer asserts this in its constructor
+        assert get("data.train_batch_size") == sync_step * get("actor_rollout_ref.actor.ppo_mini_batch_size")
+        assert get("hetero.max_lag") == 64 and get("hetero.strategy") == "wait"
+        assert get("hetero.delay.distribution") == "lognormal"
+        assert (get("hetero.delay.low"), get("hetero.delay.high"), get("hetero.delay.confidence")) == (60, 1920, 0.995)
+        groups = get("hetero.sampler_groups")
+        assert (None if groups is None else list(groups)) == expect["sampler_groups"]
+        if groups is not None:  # one entry per sampler group; all standalone replicas are covered
+            samplers, gpus = expect["samplers"]
+            assert sum(groups) == samplers * gpus // get(f"{rollout}.tensor_model_parallel_size")
+        assert get("actor_rollout_ref.hybrid_engine") is False
+    if prepared:
+        actor = "actor_rollout_ref.actor"
+        assert get(f"{actor}.policy_loss.loss_mode") == "gepo"
+        assert get(f"{actor}.policy_loss.group_scope") == "prompt"
+        assert get(f"{actor}.loss_agg_mode") == "seq-mean-token-mean"
+        assert get("algorithm.adv_estimator") == "grpo"
+        assert get("algorithm.norm_adv_by_std_in_grpo") is False
+        assert get("algorithm.rollout_correction.bypass_mode") is True
+
+
+@pytest.mark.parametrize("name", list(LAUNCHES))
+def test_launch_config_passes_the_plugin_and_verl_checks(name, overrides_by_script):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    config = compose_and_prepare(overrides_by_script[name])
+    check_intent(config, LAUNCHES[name][1], prepared=True)
+    assert not need_reference_policy(config) and not need_critic(config)
+    validate_config(config, use_reference_policy=False, use_critic=False)
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    assert actor.policy_loss.loss_mode == "gepo"
+    rollout = omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+    assert rollout.n == 8
+    assert omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine).backend in ("nccl", "naive")
+    # the plugin's own parser of the hetero block (what its sampler runs at start-up)
+    from gepo_plugin.hetero.settings import parse_hetero
+
+    settings = parse_hetero(OmegaConf.to_container(config.hetero, resolve=True))
+    assert settings.enable is LAUNCHES[name][1]["hetero"]
+    if settings.enable:
+        assert settings.policy.max_lag == 64 and settings.simulates_delay
+        replicas = rollout.nnodes * rollout.n_gpus_per_node // rollout.tensor_model_parallel_size
+        sizes = settings.group_sizes(replicas)  # raises when sampler_groups does not cover the replicas
+        assert sum(sizes) == replicas
+
+
+# ---------------------------------------------------------------- data preparation
+
+
+def load_prepare_math():
+    spec = importlib.util.spec_from_file_location("prepare_math", EXAMPLES / "data/prepare_math.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prepare_math_help_explains_every_option(capsys):
+    module = load_prepare_math()
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--input", "--dataset", "--split", "--data-files", "--question-key", "--answer-key", "--output"):
+        assert option in text
+    for action in module.build_parser()._actions:
+        assert action.help, action.option_strings
+
+
+def test_prepare_math_on_a_local_jsonl(tmp_path):
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    source = tmp_path / "tiny.jsonl"
+    rows = [
+        {"problem": "What is 1/2 + 0?", "solution": "\\frac{1}{2}", "level": 3},
+        {"problem": "Compute 2+2.", "solution": "So the sum is \\boxed{4}.", "level": 1},
+        {"problem": "Nested?", "solution": "\\boxed{\\frac{1}{\\sqrt{2}}}", "level": 5},
+    ]
+    source.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    output = tmp_path / "out" / "train.parquet"
+    module = load_prepare_math()
+    argv = ["--input", str(source), "--output", str(output), "--question-key", "problem", "--answer-key", "solution"]
+    assert module.main([*argv, "--keep-keys", "level"]) == 0
+
+    table = pq.read_table(output)
+    assert table.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    frame = pd.read_parquet(output)
+    assert len(frame) == 3
+    assert list(frame["data_source"]) == ["tiny"] * 3
+    assert list(frame["ability"]) == ["math"] * 3
+    truths = [row["ground_truth"] for row in frame["reward_model"]]
+    # the last \boxed{} of a solution becomes the ground truth; a bare answer is kept as it is
+    assert truths == ["\\frac{1}{2}", "4", "\\frac{1}{\\sqrt{2}}"]
+    assert all(row["style"] == "rule" for row in frame["reward_model"])
+    assert [(row["split"], row["index"], row["level"]) for row in frame["extra_info"]] == [
+        ("train", 0, 3),
+        ("train", 1, 1),
+        ("train", 2, 5),
+    ]
+    for messages, row in zip(frame["prompt"], rows, strict=True):
+        assert len(messages) == 1 and messages[0]["role"] == "user"
+        assert messages[0]["content"] == f"{row['problem']} {BOXED_INSTRUCTION}"
+
+    # verl's own RL dataset reads it (chat template applied by a local tokenizer: nothing is downloaded)
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from gepo_plugin.tiny import build_tokenizer
+
+    dataset = RLHFDataset(
+        data_files=[str(output)],
+        tokenizer=build_tokenizer(),
+        config=OmegaConf.create({"max_prompt_length": 512, "cache_dir": str(tmp_path / "cache")}),
+    )
+    assert len(dataset) == 3
+    item = dataset[1]
+    assert item["reward_model"]["ground_truth"] == "4"
+    assert item["data_source"] == "tiny" and item["extra_info"]["index"] == 1
+
+    # a missing key is reported with the keys that exist
+    with pytest.raises(SystemExit, match="question"):
+        module.main(["--input", str(source), "--output", str(tmp_path / "bad.parquet")])
+
+
+# ---------------------------------------------------------------- reward
+
+
+@pytest.fixture(scope="module")
+def reward():
+    pytest.importorskip("math_verify")
+    from gepo_plugin.rewards import math_verify_reward
+
+    return math_verify_reward
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "score", "boxed"),
+    [
+        ("so the answer is \\boxed{4}.", "4", 1.0, 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0, 1.0),  # equivalent forms, nested braces
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0, 1.0),
+        ("\\boxed{\\dfrac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", 1.0, 1.0),
+        ("\\boxed{1 + x^2}", "x^2+1", 1.0, 1.0),
+        ("first \\boxed{3}, finally \\boxed{5}", "5", 1.0, 1.0),  # only the last box counts
+        ("first \\boxed{5}, finally \\boxed{3}", "5", 0.0, 1.0),
+        ("\\boxed{5}", "4", 0.0, 1.0),  # wrong
+        ("the answer is 4", "4", 0.0, 0.0),  # no box
+        ("truncated \\boxed{\\frac{1}{", "0.5", 0.0, 0.0),  # unclosed last box
+        ("", "4", 0.0, 0.0),
+        ("\\boxed{\\{1, 2\\}}", "\\{1,2\\}", 1.0, 1.0),  # escaped braces are not nesting
+        ("\\boxed{5}", "Hence \\boxed{5}.", 1.0, 1.0),  # ground truth given as a boxed solution
+        ("\\boxed{5}", ["4", "5"], 1.0, 1.0),  # several accepted answers
+    ],
+)
+def test_math_reward_scores(reward, response, truth, score, boxed):
+    result = reward.compute_score("math", response, truth, extra_info={"split": "test", "index": 0})
+    assert result == {"score": score, "acc": score, "has_boxed": boxed}
+
+
+def test_last_boxed_handles_nesting(reward):
+    assert reward.last_boxed("x \\boxed{\\frac{a}{\\sqrt{b^{2}}}} y") == "\\frac{a}{\\sqrt{b^{2}}}"
+    assert reward.last_boxed("\\fbox{7}") == "7"
+    assert reward.last_boxed("\\boxed 9") == "9"
+    assert reward.last_boxed("no box") is None
+
+
+def test_math_reward_off_the_main_thread(reward):
+    # verl's reward managers call a synchronous reward function from a thread pool, where math-verify's
+    # signal-based timeouts cannot run: the check then goes through a process pool
+    results = []
+    worker = threading.Thread(
+        target=lambda: results.extend(
+            [reward.compute_score("m", "\\boxed{\\frac{1}{2}}", "0.5"), reward.compute_score("m", "\\boxed{2}", "0.5")]
+        )
+    )
+    worker.start()
+    worker.join(timeout=120)
+    assert [result["score"] for result in results] == [1.0, 0.0]
+
+
+def test_verl_loads_the_reward_from_the_launch_config(reward, overrides_by_script):
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    config = compose_and_prepare(overrides_by_script["hetero/run_qwen3_1.7b_gepo_math.sh"])
+    function = get_custom_reward_fn(config)
+    assert function(data_source="math", solution_str="\\boxed{4}", ground_truth="4", extra_info={})["score"] == 1.0
+
+
+# ------------------------------------------------- the real CLI: `main_ppo ... --cfg job`
+
+
+@pytest.mark.parametrize("name", CFG_JOB_SCRIPTS)
+def test_launch_command_resolves_with_the_cli(name, cfg_jobs):
+    """Hydra's ``--cfg job`` prints the composed config and stops: the plugin's preset and validation run
+    only in the task function, so this checks the raw composition (``prepared=False``)."""
+    results = cfg_jobs()
+    code, text = results[name]
+    assert code == 0, results["stderr"][1][-4000:]
+    config = yaml.safe_load(text)
+    check_intent(config, LAUNCHES[name][1], prepared=False)
