@@ -118,15 +118,18 @@ def test_bad_options_raise_clear_errors(tmp_path: Path, kwargs: dict[str, Any], 
         st.run_stability(tmp_path, progress=False, **kwargs)
 
 
-def test_cli_rejects_bad_values_and_live(capsys) -> None:
+def test_cli_rejects_bad_values(capsys) -> None:
     with pytest.raises(SystemExit):
         st.main(["--methods", "ppo"])
     with pytest.raises(SystemExit):
         st.main(["--preset", "huge"])
     with pytest.raises(SystemExit):
         st.main(["--lags", "-3", "--out", "/nonexistent/never-written"])
-    assert st.main(["--live"]) == 2
-    assert "not available" in capsys.readouterr().err
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        st.main(["--time-scale", "0.1"])  # a live-mode option without --live
+    assert exit_info.value.code == 2
+    assert "only apply with --live" in capsys.readouterr().err
 
 
 def test_every_option_has_help() -> None:

@@ -49,7 +49,14 @@ Best eval is a maximum over noisy evaluations (125 problems x 8 samples), so it 
 compare gaps between methods rather than reading one gap in isolation. The k3 KL is heavy-tailed (one
 token the learner has all but ruled out dominates a batch mean), so read it on a log scale.
 
-Run standalone: ``python -m gepo_plugin.lab.stability --preset quick --out DIR``.
+**Live mode** (``--live``, :mod:`gepo_plugin.lab.stability_live`): the same samplers and learner, but
+the samplers are Ray actors (one process each) and everything runs in wall-clock time, with simulated
+seconds scaled by ``--time-scale`` (default 0.05 wall s per simulated s). Same outputs, with
+``"mode": "live"`` in the summary JSON. Not bit-reproducible (the schedule depends on the operating
+system); the lag bound and the ledger are still asserted.
+
+Run: ``python -m gepo_plugin.lab stability --preset quick --out DIR`` (or ``gepo-lab stability ...``, or
+``python -m gepo_plugin.lab.stability ...``).
 """
 
 from __future__ import annotations
@@ -125,6 +132,8 @@ class StabilityConfig:
         for name in ("rl_steps", "eval_every", "warm_batch", "warm_check_every", "threads", "hidden", "layers"):
             if getattr(self, name) < 1:
                 raise StabilityConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_samples < 0:
+            raise StabilityConfigError(f"eval_samples must be >= 0 (0 = greedy), got {self.eval_samples}")
         if self.warm_max_steps < 0:
             raise StabilityConfigError(f"warm_max_steps must be >= 0, got {self.warm_max_steps}")
         if not 0 <= self.warm_target <= 1:
@@ -338,6 +347,9 @@ def run_stability(
     methods: Sequence[str] | None = None,
     lags: Sequence[int] | None = None,
     progress: bool = True,
+    live: bool = False,
+    time_scale: float | None = None,
+    ray_cpus: int | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Warm-start one policy per seed, RL-train it per (method, max_lag), write every output; return the summary.
@@ -346,6 +358,11 @@ def run_stability(
     ``stability_eval.csv`` (eval accuracy per run and step), ``stability_steps.csv`` (per-update
     diagnostics), ``stability_curves.png``, ``stability_diagnostics.png``. Wall-clock times are kept apart
     under ``summary["timing"]``; everything else is a deterministic function of the arguments.
+
+    ``live=True`` runs each (method, max_lag) with real sampler processes (Ray actors) in wall-clock time
+    instead of the simulation (:mod:`gepo_plugin.lab.stability_live`; ``time_scale`` wall seconds per
+    simulated second, default 0.05; ``ray_cpus`` Ray's logical CPUs, default one per sampler). The warm start
+    is the same; the RL part is then not reproducible, and the summary says ``"mode": "live"``.
     """
     import torch
 
@@ -353,16 +370,28 @@ def run_stability(
     from gepo_plugin.lab.stability_task import build_policy, build_task, supervised_warm_start
 
     config, methods, lags, seeds = resolve(preset, seeds, methods, lags, overrides)
+    if not live and (time_scale is not None or ray_cpus is not None):
+        raise StabilityConfigError("time_scale and ray_cpus only apply to live mode (live=True / --live)")
+    if live:
+        from gepo_plugin.lab.stability_live import DEFAULT_TIME_SCALE
+
+        time_scale = DEFAULT_TIME_SCALE if time_scale is None else float(time_scale)
+        if not time_scale > 0:
+            raise StabilityConfigError(f"time_scale must be > 0 wall seconds per simulated second, got {time_scale}")
+        if ray_cpus is not None and ray_cpus < 1:
+            raise StabilityConfigError(f"ray_cpus must be >= 1, got {ray_cpus}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
+    cluster = None
     try:
         from tqdm.auto import tqdm
 
         task = build_task(config.max_a, config.max_b, config.eval_fraction, config.task_seed)
         specs = {m: MethodSpec.from_preset(m) for m in methods}
+        run_fn = simulate_run
         n_runs = len(seeds) * len(methods) * len(lags)
         bar = tqdm(total=n_runs * config.rl_steps, disable=not progress, desc="stability", unit="step")
         records, warm, timing = [], {}, {}
@@ -381,12 +410,22 @@ def run_stability(
                 config.warm_check_every,
             )
             timing[f"warm_start/seed{seed}"] = time.perf_counter() - tick
+            if live and cluster is None:
+                from gepo_plugin.lab.stability_live import LiveCluster
+
+                tick = time.perf_counter()
+                bar.set_postfix_str("starting Ray sampler actors")
+                cluster = LiveCluster(
+                    config.sampler_seconds, time_scale, task, base, _sim_settings(config, 0), ray_cpus=ray_cpus
+                )
+                run_fn = cluster.run
+                timing["live/ray_start"] = time.perf_counter() - tick
             for lag in lags:
                 settings = _sim_settings(config, lag)
                 for method in methods:
                     tick = time.perf_counter()
                     bar.set_postfix_str(f"seed {seed} {method} lag {lag}")
-                    record = simulate_run(
+                    record = run_fn(
                         copy.deepcopy(base),
                         specs[method],
                         task,
@@ -404,8 +443,11 @@ def run_stability(
         bar.close()
     finally:
         torch.set_num_threads(previous_threads)
+        if cluster is not None:
+            cluster.close()
     runs = [rec.to_dict() for rec in records]
     summary: dict[str, Any] = {
+        "mode": "live" if live else "simulated",
         "preset": preset,
         "methods": methods,
         "lags": lags,
@@ -416,6 +458,15 @@ def run_stability(
         "runs": runs,
         "aggregate": aggregate(runs, methods, lags),
     }
+    if live:
+        summary["live"] = {
+            "time_scale": time_scale,
+            "ray_cpus": cluster.ray_cpus,
+            "reproducible": False,
+            "note": "samplers are Ray actors in wall-clock time: the schedule (which version generates which "
+            "group) depends on the OS and is not reproducible; sim_time / sim_seconds are wall seconds / "
+            "time_scale. The lag bound and the ledger are asserted as in the simulation.",
+        }
     _write_csvs(out_dir, records)
     _plot(out_dir, records, methods, lags)
     (out_dir / "stability_table.md").write_text(markdown_table(summary))
@@ -473,6 +524,25 @@ def add_stability_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         nargs="+",
         help="simulated seconds per rollout batch, one value per sampler (default 1 1.5 2 4)",
     )
+    parser.add_argument(
+        "--groups-per-batch",
+        type=int,
+        help="prompt groups per sampler rollout batch (default 4; divides --prompts-per-step)",
+    )
+    parser.add_argument(
+        "--buffer-groups",
+        type=int,
+        help="samplers start a batch only while fewer groups than this are queued or in flight "
+        "(default: --prompts-per-step)",
+    )
+    parser.add_argument(
+        "--learner-seconds", type=float, help="simulated seconds one learner update takes at least (default 0.5)"
+    )
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        help="sampled answers per held-out problem for pass@1 (default 8; 0 = greedy exact match)",
+    )
     parser.add_argument("--warm-target", type=float, help="train accuracy at which the SFT warm start stops")
     parser.add_argument("--format-reward", type=float, help="reward for 'digits then <eos>' answers (default 0)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default 1: fastest for this tiny model)")
@@ -480,8 +550,20 @@ def add_stability_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument(
         "--live",
         action="store_true",
-        help="real concurrent samplers in wall-clock time instead of the simulation: not available yet "
-        "(exits with status 2)",
+        help="run the samplers as real concurrent processes (Ray actors, one torch thread each) in wall-clock "
+        "time instead of the seeded simulation; same learner, staleness rule, ledger and outputs, with "
+        '"mode": "live" in the summary JSON. NOT bit-reproducible: the schedule depends on OS scheduling',
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        help="live mode only: wall-clock seconds per simulated second, applied to --sampler-seconds, "
+        "--learner-seconds and the weight delays (default 0.05)",
+    )
+    parser.add_argument(
+        "--ray-cpus",
+        type=int,
+        help="live mode only: logical CPUs for the local Ray session (default: one per sampler)",
     )
     return parser
 
@@ -500,23 +582,19 @@ _OVERRIDE_OPTIONS = (
     "warm_target",
     "format_reward",
     "threads",
+    "groups_per_batch",
+    "buffer_groups",
+    "learner_seconds",
+    "eval_samples",
 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry point: ``python -m gepo_plugin.lab.stability --preset quick --out DIR``."""
-    parser = add_stability_arguments(
-        argparse.ArgumentParser(prog="python -m gepo_plugin.lab.stability", description=__doc__.splitlines()[0])
-    )
-    args = parser.parse_args(argv)
-    if args.live:
-        print(
-            "live mode (real concurrent samplers in wall-clock time) is not available yet; "
-            "run without --live for the simulated-time experiment",
-            file=sys.stderr,
-        )
-        return 2
+def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the lab from parsed :func:`add_stability_arguments` options; bad values exit 2 via ``parser.error``."""
+    if not args.live and (args.time_scale is not None or args.ray_cpus is not None):
+        parser.error("--time-scale and --ray-cpus only apply with --live")
     overrides = {name: getattr(args, name) for name in _OVERRIDE_OPTIONS if getattr(args, name) is not None}
+    live_options = {"live": True, "time_scale": args.time_scale, "ray_cpus": args.ray_cpus} if args.live else {}
     try:
         summary = run_stability(
             args.out,
@@ -525,13 +603,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             methods=args.methods,
             lags=args.lags,
             progress=not args.no_progress,
+            **live_options,
             **overrides,
         )
     except StabilityConfigError as error:
         parser.error(str(error))
     print(markdown_table(summary), end="")
-    print(f"wrote {args.out} in {summary['timing']['total']:.0f} s", file=sys.stderr)
+    print(f"wrote {args.out} ({summary['mode']}) in {summary['timing']['total']:.0f} s", file=sys.stderr)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry point: ``python -m gepo_plugin.lab.stability --preset quick --out DIR``."""
+    parser = add_stability_arguments(
+        argparse.ArgumentParser(prog="python -m gepo_plugin.lab.stability", description=__doc__.splitlines()[0])
+    )
+    return run_cli(parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,11 @@ config's ``global_batch_info`` filled in), with ``old_log_prob`` = the sampler's
 (bypass mode). For GEPO the per-prompt group term is computed from those sampler log-probs with
 :func:`~gepo_plugin.maths.group_log_expectation_from_tokens` and handed over with
 :func:`~gepo_plugin.verl_glue.sample_terms.provide_sample_terms`, as the plugin's trainer does.
+
+**Shared with the live mode** (:mod:`gepo_plugin.lab.stability_live`, real processes in wall-clock time):
+a sampler batch is :func:`rollout_batch` (prompts from :func:`draw_problems`), the learner side is
+:class:`Learner` (queue, policy, ledger, admission control, update, evaluation), a weight delay is
+:func:`draw_delay`. Only the clock and the transport differ between the two modes.
 """
 
 from __future__ import annotations
@@ -146,6 +151,16 @@ class Rollout:
     log_probs: torch.Tensor
     mask: torch.Tensor
     rewards: torch.Tensor
+
+    @property
+    def min_version(self) -> int:
+        """Oldest weight version behind any token (a sampler swaps weights only between batches, so a group
+        has a single version: min == max)."""
+        return self.version
+
+    @property
+    def max_version(self) -> int:
+        return self.version
 
 
 def policy_update(
@@ -283,12 +298,13 @@ class RunRecord:
     ledger: dict[str, float] = field(default_factory=dict)
     sim_seconds: float = 0.0
     rollout_batches: int = 0
+    live: dict[str, Any] = field(default_factory=dict)  # live mode only: wall-clock facts (empty when simulated)
 
     def to_dict(self) -> dict[str, Any]:
         lags = np.asarray(self.lags, dtype=np.int64)
         values, counts = np.unique(lags, return_counts=True)
         best = max(self.eval_acc)
-        return {
+        out = {
             "seed": self.seed,
             "method": self.method,
             "max_lag": self.max_lag,
@@ -312,10 +328,180 @@ class RunRecord:
             "sim_seconds": self.sim_seconds,
             "rollout_batches": self.rollout_batches,
         }
+        if self.live:
+            out["live"] = dict(self.live)
+        return out
 
 
 def _mean_of(rows: list[dict[str, float]], key: str) -> float:
     return float(np.mean([row[key] for row in rows])) if rows else 0.0
+
+
+def draw_problems(task: AdditionTask, rng: np.random.Generator, n: int) -> torch.Tensor:
+    """``n`` training-problem indices drawn with replacement from ``rng`` (one rollout batch's prompts)."""
+    return torch.as_tensor(rng.choice(task.train_idx.numpy(), size=n), dtype=torch.int64)
+
+
+def rollout_batch(
+    model: torch.nn.Module,
+    task: AdditionTask,
+    problems: torch.Tensor,
+    group_size: int,
+    temperature: float,
+    format_reward: float,
+    generator: torch.Generator,
+    version: int,
+    first_gid: int,
+) -> list[Rollout]:
+    """One sampler batch, shared by the simulated and the live mode: ``group_size`` responses per problem,
+    sampled from ``model`` (holding weights ``version``), rewarded on the sampler, split into groups
+    ``g{first_gid}``, ``g{first_gid + 1}``, ..."""
+    repeated = problems.repeat_interleave(group_size)
+    tokens, log_probs, mask = sample_responses(model, task, task.prompts[repeated], temperature, generator)
+    rewards = rewards_for(task, repeated, tokens, format_reward)
+    return [
+        Rollout(
+            group_id=f"g{first_gid + j}",
+            problem=int(problems[j]),
+            version=version,
+            tokens=tokens[j * group_size : (j + 1) * group_size],
+            log_probs=log_probs[j * group_size : (j + 1) * group_size],
+            mask=mask[j * group_size : (j + 1) * group_size],
+            rewards=rewards[j * group_size : (j + 1) * group_size],
+        )
+        for j in range(len(problems))
+    ]
+
+
+class Learner:
+    """The learner side of a run, shared by the simulated and the live mode (only the clock differs).
+
+    Owns the model being trained, its optimizer, the :class:`~gepo_plugin.hetero.staleness.StalenessPolicy`,
+    the :class:`~gepo_plugin.hetero.staleness.BoundedStalenessQueue` (and so the ledger), the tensors of
+    queued groups and the :class:`RunRecord`. The driver of a mode calls, in its own notion of time:
+    :meth:`sampler_may_start` before dispatching a batch, :meth:`admit` when a batch finishes,
+    :meth:`ready` / :meth:`train` to start an update, and :meth:`finish_update` when the update's time is up
+    (the new version becomes visible then; evaluation follows the ``eval_every`` cadence).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: MethodSpec,
+        task: AdditionTask,
+        settings: SimSettings,
+        seed: int,
+        rl_steps: int,
+        lr: float,
+        eval_every: int,
+        lr_warmup_steps: int = 0,
+        eval_samples: int = 8,
+    ) -> None:
+        settings.validate()
+        self.model, self.spec, self.task, self.settings = model, spec, task, settings
+        self.seed, self.rl_steps, self.lr, self.eval_every = seed, rl_steps, lr, eval_every
+        self.lr_warmup_steps, self.eval_samples = lr_warmup_steps, eval_samples
+        self.policy = StalenessPolicy(
+            max_lag=settings.max_lag, strategy=settings.strategy, admission_margin=min(1, settings.max_lag)
+        )
+        self.queue = BoundedStalenessQueue(self.policy)
+        self.ledger = self.queue.ledger
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
+        model.eval()
+        self.store: dict[str, Rollout] = {}
+        self.record = RunRecord(seed=seed, method=spec.name, max_lag=settings.max_lag)
+        self.version = 0
+        self.busy = False  # an update is running: its version is not visible yet
+
+    def evaluate(self) -> float:
+        """Held-out pass@1 of the current model (seeded, so every eval of every method shares its samples)."""
+        return sampled_accuracy(
+            self.model,
+            self.task,
+            self.task.eval_idx,
+            self.eval_samples,
+            self.settings.temperature,
+            self.seed + 1_000_000,
+        )
+
+    def record_eval(self) -> None:
+        self.record.eval_steps.append(self.version)
+        self.record.eval_acc.append(self.evaluate())
+
+    def sampler_may_start(self, sampler_version: int, in_flight_groups: int) -> bool:
+        """Admission control for an idle sampler holding ``sampler_version``: the policy's
+        :meth:`~gepo_plugin.hetero.staleness.StalenessPolicy.may_start` (counting the version being produced
+        while an update runs) and the buffer limit (queued + in-flight groups < ``buffer_groups``)."""
+        admission_version = self.version + (1 if self.busy else 0)
+        if not self.policy.may_start(admission_version, sampler_version):
+            return False
+        return self.ledger.queued + in_flight_groups < self.settings.buffer_groups
+
+    def admit(self, groups: list[Rollout]) -> None:
+        """Finished groups enter the queue (and the ledger) with their min/max weight version."""
+        for grp in groups:
+            self.store[grp.group_id] = grp
+            self.queue.add(grp.group_id, grp.min_version, grp.max_version)
+
+    def forget_dropped(self) -> None:
+        """Release the tensors of groups the queue evicted (the ledger has counted them as dropped)."""
+        queued = self.ledger.queued_groups()
+        for gid in [gid for gid in self.store if gid not in queued]:
+            del self.store[gid]
+
+    def ready(self, in_flight_versions: list[int]) -> bool:
+        """May an update start now? Not while one runs; ``drop`` first evicts what is already too stale;
+        a full batch must be queued; ``wait`` also needs every pending group to stay within the bound."""
+        if self.busy:
+            return False
+        if self.settings.strategy == "drop":
+            self.queue.select(self.version, 0)  # evict what is already too stale, so it does not block the buffer
+            self.forget_dropped()
+        if self.ledger.queued < self.settings.prompts_per_step:
+            return False
+        return self.policy.learner_may_advance(self.version, np.asarray(in_flight_versions, dtype=np.int64))
+
+    def train(self, now: float) -> dict[str, float]:
+        """One update at the current version on the oldest queued groups; asserts every lag is within the
+        bound, records the step's diagnostics (``sim_time=now``) and checks the ledger."""
+        settings, version = self.settings, self.version
+        chosen = self.queue.select(version, settings.prompts_per_step)
+        groups = [self.store.pop(gid) for gid in chosen]
+        self.forget_dropped()
+        lags = [version - grp.min_version for grp in groups]
+        if max(lags) > settings.max_lag or min(lags) < 0:
+            raise AssertionError(f"trained lag {max(lags)} violates max_lag={settings.max_lag} at version {version}")
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = self.lr * min(1.0, (version + 1) / max(1, self.lr_warmup_steps))
+        metrics = policy_update(
+            self.model, self.optimizer, self.spec, self.task, groups, settings.temperature, settings.grad_clip
+        )
+        metrics.update(
+            step=float(version + 1),
+            lag_mean=float(np.mean(lags)),
+            lag_max=float(max(lags)),
+            batch_groups=float(len(groups)),
+            sim_time=now,
+        )
+        self.record.steps.append(metrics)
+        self.record.lags.extend(lags)
+        self.ledger.check()
+        self.busy = True
+        return metrics
+
+    def finish_update(self) -> None:
+        """The running update's version becomes current; evaluate on the ``eval_every`` cadence and at the end."""
+        self.version += 1
+        self.busy = False
+        if self.version % self.eval_every == 0 or self.version == self.rl_steps:
+            self.record_eval()
+
+    def finish(self, seconds: float) -> RunRecord:
+        """Final ledger check; returns the record with the ledger counters and the run's duration."""
+        self.ledger.check()
+        self.record.ledger = self.ledger.metrics(prefix="")
+        self.record.sim_seconds = seconds
+        return self.record
 
 
 class _Sampler:
@@ -335,8 +521,12 @@ class _Sampler:
 
     def request_weights(self, now: float, newest_version: int) -> None:
         self.transfer_version = newest_version
-        # a floor keeps simulated time moving even for a zero delay model
-        self.transfer_arrival = now + max(float(self.delay_model.sample(self.rng, 1)[0]), MIN_DELAY_SECONDS)
+        self.transfer_arrival = now + draw_delay(self.delay_model, self.rng)
+
+
+def draw_delay(delay_model: DelayModel, rng: np.random.Generator) -> float:
+    """One weight-transfer delay (simulated seconds); a floor keeps time moving even for a zero delay model."""
+    return max(float(delay_model.sample(rng, 1)[0]), MIN_DELAY_SECONDS)
 
 
 def simulate_run(
@@ -362,14 +552,8 @@ def simulate_run(
     :class:`~gepo_plugin.hetero.accounting.AccountingError` if the ledger loses a rollout (both checked at
     every update), and ``RuntimeError`` if the simulation stalls.
     """
-    settings.validate()
-    policy = StalenessPolicy(
-        max_lag=settings.max_lag, strategy=settings.strategy, admission_margin=min(1, settings.max_lag)
-    )
-    queue = BoundedStalenessQueue(policy)
-    ledger = queue.ledger
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
-    model.eval()
+    learner = Learner(model, spec, task, settings, seed, rl_steps, lr, eval_every, lr_warmup_steps, eval_samples)
+    record = learner.record
     sampler_model = copy.deepcopy(model)
     loaded_version: list[int | None] = [None]
     versions: dict[int, dict[str, torch.Tensor]] = {0: _snapshot(model)}
@@ -378,17 +562,11 @@ def simulate_run(
     samplers = [_Sampler(i, float(sec), settings.delay_model, seed) for i, sec in enumerate(settings.sampler_seconds)]
     for sampler in samplers:
         sampler.request_weights(0.0, 0)
-    store: dict[str, Rollout] = {}
-    record = RunRecord(seed=seed, method=spec.name, max_lag=settings.max_lag)
 
-    def evaluate() -> float:
-        return sampled_accuracy(model, task, task.eval_idx, eval_samples, settings.temperature, seed + 1_000_000)
-
-    record.eval_steps.append(0)
-    record.eval_acc.append(evaluate())
-    now, version, next_gid = 0.0, 0, 0
+    learner.record_eval()
+    now, next_gid = 0.0, 0
     learner_done_at: float | None = None
-    g, size = settings.groups_per_batch, settings.group_size
+    g = settings.groups_per_batch
 
     def in_flight_versions() -> list[int]:
         return [s.version_in_use for s in samplers if s.busy_until is not None for _ in range(g)]
@@ -398,24 +576,18 @@ def simulate_run(
         if loaded_version[0] != sampler.version:
             sampler_model.load_state_dict(versions[sampler.version])
             loaded_version[0] = sampler.version
-        problems = torch.as_tensor(prompt_rng.choice(task.train_idx.numpy(), size=g), dtype=torch.int64)
-        repeated = problems.repeat_interleave(size)
-        tokens, log_probs, mask = sample_responses(
-            sampler_model, task, task.prompts[repeated], settings.temperature, token_rng
+        problems = draw_problems(task, prompt_rng, g)
+        sampler.batch = rollout_batch(
+            sampler_model,
+            task,
+            problems,
+            settings.group_size,
+            settings.temperature,
+            settings.format_reward,
+            token_rng,
+            sampler.version,
+            next_gid,
         )
-        rewards = rewards_for(task, repeated, tokens, settings.format_reward)
-        sampler.batch = [
-            Rollout(
-                group_id=f"g{next_gid + j}",
-                problem=int(problems[j]),
-                version=sampler.version,
-                tokens=tokens[j * size : (j + 1) * size],
-                log_probs=log_probs[j * size : (j + 1) * size],
-                mask=mask[j * size : (j + 1) * size],
-                rewards=rewards[j * size : (j + 1) * size],
-            )
-            for j in range(g)
-        ]
         next_gid += g
         sampler.version_in_use = sampler.version
         sampler.busy_until = now + sampler.seconds
@@ -424,52 +596,9 @@ def simulate_run(
     def sampler_may_start(sampler: _Sampler) -> bool:
         if sampler.busy_until is not None:
             return False
-        admission_version = version + (1 if learner_done_at is not None else 0)
-        if not policy.may_start(admission_version, sampler.version):
-            return False
-        in_flight = sum(g for s in samplers if s.busy_until is not None)
-        return ledger.queued + in_flight < settings.buffer_groups
+        return learner.sampler_may_start(sampler.version, sum(g for s in samplers if s.busy_until is not None))
 
-    def forget_dropped() -> None:
-        """Release the tensors of groups the queue evicted (the ledger has counted them as dropped)."""
-        queued = ledger.queued_groups()
-        for gid in [gid for gid in store if gid not in queued]:
-            del store[gid]
-
-    def learner_ready() -> bool:
-        if learner_done_at is not None:
-            return False
-        if settings.strategy == "drop":
-            queue.select(version, 0)  # evict what is already too stale, so it does not block the buffer
-            forget_dropped()
-        if ledger.queued < settings.prompts_per_step:
-            return False
-        return policy.learner_may_advance(version, np.asarray(in_flight_versions(), dtype=np.int64))
-
-    def train_step() -> None:
-        nonlocal learner_done_at
-        chosen = queue.select(version, settings.prompts_per_step)
-        groups = [store.pop(gid) for gid in chosen]
-        forget_dropped()
-        lags = [version - grp.version for grp in groups]
-        if max(lags) > settings.max_lag or min(lags) < 0:
-            raise AssertionError(f"trained lag {max(lags)} violates max_lag={settings.max_lag} at version {version}")
-        for param_group in optimizer.param_groups:
-            param_group["lr"] = lr * min(1.0, (version + 1) / max(1, lr_warmup_steps))
-        metrics = policy_update(model, optimizer, spec, task, groups, settings.temperature, settings.grad_clip)
-        metrics.update(
-            step=float(version + 1),
-            lag_mean=float(np.mean(lags)),
-            lag_max=float(max(lags)),
-            batch_groups=float(len(groups)),
-            sim_time=now,
-        )
-        record.steps.append(metrics)
-        record.lags.extend(lags)
-        ledger.check()
-        learner_done_at = now + settings.learner_seconds
-
-    while version < rl_steps:
+    while learner.version < rl_steps:
         acted = True
         while acted:
             acted = False
@@ -477,8 +606,9 @@ def simulate_run(
                 if sampler_may_start(sampler):
                     start_batch(sampler)
                     acted = True
-            if learner_ready():
-                train_step()
+            if learner.ready(in_flight_versions()):
+                learner.train(now)
+                learner_done_at = now + settings.learner_seconds
                 acted = True
         events = [s.busy_until for s in samplers if s.busy_until is not None]
         events += [s.transfer_arrival for s in samplers]
@@ -488,20 +618,16 @@ def simulate_run(
             raise RuntimeError("the simulation stalled: no pending event")
         now = min(events)
         if learner_done_at is not None and learner_done_at <= now:
-            version += 1
             learner_done_at = None
-            versions[version] = _snapshot(model)
-            if version % eval_every == 0 or version == rl_steps:
-                record.eval_steps.append(version)
-                record.eval_acc.append(evaluate())
+            versions[learner.version + 1] = _snapshot(model)
+            learner.finish_update()
             if on_step is not None:
                 on_step(record)
         for sampler in samplers:
             if sampler.busy_until is not None and sampler.busy_until <= now:
-                for grp in sampler.batch:
-                    store[grp.group_id] = grp
-                    queue.add(grp.group_id, grp.version, grp.version)
+                learner.admit(sampler.batch)
                 sampler.batch, sampler.busy_until = [], None
+        version = learner.version
         for sampler in samplers:
             if sampler.transfer_arrival <= now:
                 sampler.version = max(sampler.version, sampler.transfer_version)
@@ -509,10 +635,7 @@ def simulate_run(
         keep = {version} | {s.version for s in samplers} | {s.transfer_version for s in samplers}
         for old in [v for v in versions if v not in keep]:
             del versions[old]
-    ledger.check()
-    record.ledger = ledger.metrics(prefix="")
-    record.sim_seconds = now
-    return record
+    return learner.finish(now)
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -25,7 +25,8 @@ What is modelled, and what is not:
   for which ``gap >= exp(KL) - C*`` holds on the grid that was evaluated (an empirical,
   grid-dependent quantity), plus, for the Gaussian family, the exact supremum over all means.
 
-Run standalone: ``python -m gepo_plugin.lab.variance --out DIR``.
+Run: ``python -m gepo_plugin.lab variance --out DIR`` (or ``gepo-lab variance ...``, or
+``python -m gepo_plugin.lab.variance ...``).
 """
 
 from __future__ import annotations
@@ -524,9 +525,19 @@ def add_variance_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         "--grid-points",
         type=int,
         default=50,
-        help="points per parameter axis; the grid has this many squared cells (default 50, as in the paper)",
+        help="points per parameter axis (>= 2); the grid has this many squared cells (default 50, as in the paper)",
     )
+    parser.add_argument("--no-progress", action="store_true", help="no progress messages on stderr")
     return parser
+
+
+def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the lab from parsed :func:`add_variance_arguments` options; prints the table (bad values exit 2)."""
+    if args.grid_points < 2:
+        parser.error(f"--grid-points must be >= 2, got {args.grid_points}")
+    summary = run_variance(args.out, grid_points=args.grid_points, progress=not args.no_progress)
+    print(markdown_table(summary), end="")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -534,10 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = add_variance_arguments(
         argparse.ArgumentParser(prog="python -m gepo_plugin.lab.variance", description=__doc__.splitlines()[0])
     )
-    args = parser.parse_args(argv)
-    summary = run_variance(args.out, grid_points=args.grid_points, progress=True)
-    print(markdown_table(summary), end="")
-    return 0
+    return run_cli(parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":
