@@ -2,8 +2,9 @@
 
 Exactly verl's ``main_ppo`` (same Hydra overrides, same V1 trainer, same Ray start-up), with
 the plugin's config (``gepo_trainer.yaml``: verl's ``ppo_trainer`` plus ``algorithm.loss`` and
-the loss options) and three steps before verl's own start-up: the ``algorithm.loss`` preset is
-applied (never over a key you set yourself), ``trainer.device=cpu`` switches to the CPU
+the loss options) and four steps before verl's own start-up: the ``algorithm.loss`` preset is
+applied (never over a key you set yourself), ``hetero.enable=true`` selects the HeteroRL
+sampler and trainer, ``trainer.device=cpu`` switches to the CPU
 debugging backend, and the plugin's settings are validated.
 """
 
@@ -13,6 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from gepo_plugin.verl_glue.hetero_wiring import apply_hetero
 from gepo_plugin.verl_glue.presets import apply_loss_preset, explicit_override_keys
 from gepo_plugin.verl_glue.validation import validate_plugin_config
 
@@ -24,6 +26,7 @@ def prepare_config(config: DictConfig, overrides: list[str]) -> DictConfig:
 
     explicit = explicit_override_keys(overrides)
     apply_loss_preset(config, explicit)
+    apply_hetero(config, explicit)
     prepare_cpu_run(config, explicit)
     validate_plugin_config(config)
     return config

@@ -224,7 +224,7 @@ def test_wait_overflow_is_evicted_and_counted_never_trained_late(clean):
     rollouts = Rollouts()
     buffer = make_buffer(max_lag=1, strategy="wait")
     rollouts.produce(step=2, version=1, n=3)
-    batch, metrics = buffer.sample(global_steps=3, partition_id="train", batch_size=1)  # v=2: lag 1 ok
+    _, metrics = buffer.sample(global_steps=3, partition_id="train", batch_size=1)  # v=2: lag 1 ok
     assert metrics["hetero/lag/max"] == 1 and metrics["hetero/queue/finished_untrained"] == 2
     rollouts.produce(step=3, version=2)
     _, metrics = buffer.sample(global_steps=4, partition_id="train", batch_size=1)  # v=3: version 1 -> lag 2
@@ -282,7 +282,7 @@ def test_random_interleavings_keep_the_bound_and_the_books(clean):
             rollouts.finish(uid, [(lo, hi), (lo, lo)], step)
         rollouts.produce(step, v)  # at least one trainable group per step
         produced += 1
-        batch, metrics = buffer.sample(global_steps=step, partition_id="train", batch_size=1)
+        _, metrics = buffer.sample(global_steps=step, partition_id="train", batch_size=1)
         assert metrics["hetero/lag/max"] <= 3
         assert metrics["hetero/produced"] == produced
         assert (

@@ -28,6 +28,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
 from gepo_plugin.maths import GroupIndex, group_log_expectation_from_tokens
+from gepo_plugin.verl_glue.hetero_trainer import HeteroMixin
 from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_sample_terms
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,13 @@ class GEPOTrainerColocateAsync(SampleTermsMixin, PPOTrainerColocateAsync):
 
 
 @register_trainer("gepo_separate_async")
-class GEPOTrainerSeparateAsync(SampleTermsMixin, PPOTrainerSeparateAsync):
-    """verl's separate_async trainer with GEPO's trainer-side group term."""
+class GEPOTrainerSeparateAsync(SampleTermsMixin, HeteroMixin, PPOTrainerSeparateAsync):
+    """verl's separate_async trainer with GEPO's trainer-side group term and HeteroRL (``hetero.enable``)."""
+
+
+@register_trainer("hetero_separate_async")
+class HeteroTrainerSeparateAsync(HeteroMixin, PPOTrainerSeparateAsync):
+    """verl's separate_async trainer with HeteroRL, for losses other than GEPO (``hetero.enable=true``)."""
 
 
 __all__ = [
@@ -107,6 +113,8 @@ __all__ = [
     "GEPOTrainerColocateAsync",
     "GEPOTrainerSeparateAsync",
     "GEPOTrainerSync",
+    "HeteroMixin",
+    "HeteroTrainerSeparateAsync",
     "PPOTrainer",
     "SampleTermsMixin",
     "compute_group_terms",

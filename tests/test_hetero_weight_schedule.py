@@ -1,0 +1,89 @@
+"""The weight-arrival schedule: who installs which version when, under simulated delay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gepo_plugin.hetero.delays import ConstantDelay, ExponentialDelay, LogNormalDelay
+from gepo_plugin.hetero.weight_schedule import WeightArrivalSchedule
+
+
+def run(schedule: WeightArrivalSchedule, publish_times: list[float], poll_times: list[float]):
+    """Publish versions 1..n at ``publish_times`` with polls in between; return all deliveries in order."""
+    events = sorted([(t, 1, i + 1) for i, t in enumerate(publish_times)] + [(t, 0, None) for t in poll_times])
+    deliveries = []
+    for time, kind, version in events:
+        deliveries += schedule.publish(version, time) if kind else schedule.advance(time)
+    return deliveries
+
+
+def test_no_delay_installs_every_version_at_once():
+    schedule = WeightArrivalSchedule([None, None], seed=0)
+    for version in range(1, 5):
+        deliveries = schedule.publish(version, float(version))
+        assert {(d.group, d.version, d.arrival) for d in deliveries} == {(0, version, version), (1, version, version)}
+    assert schedule.held == [4, 4] and schedule.needed_versions() == {4}
+
+
+def test_constant_delay_follows_the_download_one_version_at_a_time_rule():
+    """Delay 2.5 s, a version per second: the group installs 1 at 3.5, then 3 (newest at 3.5) at 6, then 5 at 8.5."""
+    schedule = WeightArrivalSchedule([ConstantDelay(2.5)], seed=0)
+    deliveries = run(schedule, [1.0, 2.0, 3.0, 4.0, 5.0], [100.0])
+    assert [(d.version, d.started, d.arrival) for d in deliveries] == [(1, 1.0, 3.5), (3, 3.5, 6.0), (5, 6.0, 8.5)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    gaps=st.lists(st.floats(0.01, 5.0), min_size=1, max_size=25),
+    polls=st.lists(st.floats(0.0, 80.0), max_size=30),
+    seed=st.integers(0, 2**16),
+    groups=st.integers(1, 4),
+)
+def test_invariants_under_random_publication_and_polling(gaps, polls, seed, groups):
+    delays = [None, ConstantDelay(1.7), ExponentialDelay(3.0), LogNormalDelay.from_interval(0.5, 20.0)][:groups]
+    times = list(np.cumsum(gaps))
+    schedule = WeightArrivalSchedule(delays, seed=seed)
+    deliveries = run(schedule, times, polls)
+    published_at = {0: 0.0, **{i + 1: t for i, t in enumerate(times)}}
+    last = {}
+    for d in deliveries:
+        # the installed version is the newest one published when its download started
+        newest_then = max(v for v, t in published_at.items() if t <= d.started)
+        assert d.version == newest_then
+        assert d.arrival >= d.started
+        assert d.version > last.get(d.group, 0), "a group's versions only increase"
+        last[d.group] = d.version
+    assert all(0 <= held <= schedule.latest for held in schedule.held)
+    assert len(schedule.needed_versions()) <= groups + 1
+    # lazy replay: one late poll gives exactly the deliveries of frequent polling
+    eager = WeightArrivalSchedule(delays, seed=seed)
+    lazy = WeightArrivalSchedule(delays, seed=seed)
+    horizon = times[-1] + 1000.0
+    eager_all = run(eager, times, [*np.linspace(0, horizon, 400).tolist()])
+    lazy_all = run(lazy, times, [horizon])
+    assert eager_all == lazy_all
+    assert eager.held == lazy.held == [schedule.latest] * groups
+
+
+def test_same_seed_same_draws_and_groups_are_independent_streams():
+    a = WeightArrivalSchedule([ExponentialDelay(2.0), ExponentialDelay(2.0)], seed=3)
+    b = WeightArrivalSchedule([ExponentialDelay(2.0), ExponentialDelay(2.0), ExponentialDelay(2.0)], seed=3)
+    run(a, [1.0, 2.0, 3.0], [50.0])
+    run(b, [1.0, 2.0, 3.0], [50.0])
+    assert a.drawn[0] == b.drawn[0] and a.drawn[1] == b.drawn[1]
+    c = WeightArrivalSchedule([ExponentialDelay(2.0), ExponentialDelay(2.0)], seed=4)
+    run(c, [1.0, 2.0, 3.0], [50.0])
+    assert c.drawn[0] != a.drawn[0]
+
+
+def test_bad_publications_are_refused():
+    schedule = WeightArrivalSchedule([None], seed=0, start_version=5, start_time=10.0)
+    with pytest.raises(ValueError, match="not newer"):
+        schedule.publish(5, 11.0)
+    with pytest.raises(ValueError, match="backwards"):
+        schedule.publish(6, 9.0)
+    with pytest.raises(ValueError, match="at least one"):
+        WeightArrivalSchedule([], seed=0)
