@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The main job on its embedded default. Sets up .venv on first use.
-# Today: the plugin's self-check and a one-step GEPO loss demo through verl's real ppo_loss.
+# The main job on its embedded default: the CPU lab's `quick` stability comparison
+# (GEPO vs GSPO vs GRPO at max lag 0 and 64, 2 seeds; about 4 minutes on 2 cores).
+# Sets up .venv on first use; extra arguments go to `gepo-lab stability` (try --help).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bash "$root/scripts/bootstrap.sh"
 cd "$root"
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
-.venv/bin/python -m gepo_plugin doctor "$@"
-.venv/bin/python -m gepo_plugin demo
+.venv/bin/python -m gepo_plugin.lab stability --preset quick --out lab_out/quick "$@"

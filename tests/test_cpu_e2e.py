@@ -6,6 +6,7 @@ Each run starts Ray, verl's FSDP2 workers over gloo, the transformers rollout an
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -78,24 +79,63 @@ def test_gepo_sync_resumes_from_its_checkpoint_at_the_right_step(gepo_sync_run):
     assert "global_step_3" in log
 
 
-def test_separate_async_gepo_has_lag_within_the_bound(tiny, tmp_path):
-    threshold = 2
-    overrides = cpu_run_overrides(tiny, loss="gepo", mode="separate_async", steps=3, output_dir=str(tmp_path))
-    overrides += [
-        f"trainer.v1.sampler.max_off_policy_threshold={threshold}",
+def _hetero_overrides(tiny, workdir, steps: int) -> list[str]:
+    overrides = cpu_run_overrides(
+        tiny, loss="gepo", mode="separate_async", steps=steps, output_dir=str(workdir), save_freq=2
+    )
+    return [
+        *overrides,
+        "trainer.resume_mode=auto",
         "trainer.v1.separate_async.parameter_sync_step=1",
         "actor_rollout_ref.rollout.nnodes=1",
-        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=2",  # two samplers
+        "hetero.enable=true",
+        f"hetero.max_lag={HETERO_MAX_LAG}",
+        "hetero.strategy=wait",
+        # sampler group 0 gets every version at once, group 1 eight seconds late
+        "hetero.group_delays=[{distribution: none},{distribution: constant, seconds: 8}]",
     ]
-    code, metrics, log = run_cpu_training(overrides, tmp_path)
+
+
+HETERO_MAX_LAG = 2
+
+
+def _books_balance(m: dict) -> bool:
+    return m["hetero/produced"] == m["hetero/trained"] + m["hetero/dropped"] + m["hetero/queued"]
+
+
+def test_hetero_separate_async_bound_delay_accounting_and_resume(tiny, tmp_path):
+    """HeteroRL through verl's real separate_async trainer: two samplers, one with delayed weights.
+
+    Run 1 (4 steps, checkpoints at 2 and 4) then a resume to step 5 from the same directory.
+    """
+    code, metrics, log = run_cpu_training(_hetero_overrides(tiny, tmp_path, steps=4), tmp_path / "run1")
     assert code == 0, log[-6000:]
-    assert sorted(metrics) == [1, 2, 3]
-    lags = [m["training/off_policy/trajectory_staleness_worst/max"] for m in metrics.values()]
-    assert max(lags) > 0, f"no stale trajectory was trained (lags {lags}): the run was not asynchronous"
-    # verl's bound: (learner step) - (prompt's step) + 1 <= threshold, i.e. worst lag <= threshold - 1
-    assert max(lags) <= threshold - 1, lags
-    for m in metrics.values():
+    assert sorted(metrics) == [1, 2, 3, 4]
+    assert "'trainer_mode': 'gepo_separate_async'" in log and "HeteroReplayBuffer" in log
+    for step, m in metrics.items():
+        assert m["hetero/lag/max"] <= HETERO_MAX_LAG, (step, m["hetero/lag/max"])  # the exact bound
+        assert _books_balance(m), m
+        assert m["hetero/trained"] == 4 * step  # 4 prompt groups per step, nothing trained twice
         assert m["actor/gepo/group_term_present"] == 1.0 and _finite(m["actor/pg_loss"])
+        assert m["hetero/sampler_group_0/weight_version"] == step  # no delay: every version at once
+    assert max(m["hetero/lag/max"] for m in metrics.values()) >= 1, "nothing stale was trained: not asynchronous"
+    # the delayed sampler really lags behind the learner at some step
+    assert any(m["hetero/sampler_group_1/weight_version"] < step for step, m in metrics.items())
+    assert any(key.startswith("actor/gepo/iw_by_lag/") for m in metrics.values() for key in m)
+    state = json.loads((tmp_path / "checkpoints" / "global_step_4" / "hetero.json").read_text())
+    last = metrics[4]
+    assert state["sampler"]["ledger"]["trained"] == last["hetero/trained"]
+    assert sum(state["sampler"]["ledger"]["dropped"].values()) == last["hetero/dropped"]
+
+    code, resumed, log = run_cpu_training(_hetero_overrides(tiny, tmp_path, steps=5), tmp_path / "run2")
+    assert code == 0, log[-6000:]
+    assert sorted(resumed) == [5], "the resume must train exactly step 5"
+    m = resumed[5]
+    assert m["hetero/trained"] == last["hetero/trained"] + 4  # counters continue from the checkpoint
+    assert m["hetero/produced"] >= last["hetero/produced"] and m["hetero/dropped"] >= last["hetero/dropped"]
+    assert _books_balance(m) and m["hetero/lag/max"] <= HETERO_MAX_LAG
+    assert m["hetero/learner_version"] == 4
 
 
 @pytest.mark.parametrize("loss,loss_mode", [("gspo", "gspo"), ("grpo", "vanilla")])

@@ -220,7 +220,7 @@ def test_wait_does_not_block_on_groups_that_can_still_wait(clean):
 
 
 def test_wait_overflow_is_evicted_and_counted_never_trained_late(clean):
-    """More urgent groups than one batch: the excess is dropped as stale (counted), the bound holds."""
+    """More urgent groups than one batch: the excess is dropped as stale_overflow (counted), the bound holds."""
     rollouts = Rollouts()
     buffer = make_buffer(max_lag=1, strategy="wait")
     rollouts.produce(step=2, version=1, n=3)
@@ -228,7 +228,7 @@ def test_wait_overflow_is_evicted_and_counted_never_trained_late(clean):
     assert metrics["hetero/lag/max"] == 1 and metrics["hetero/queue/finished_untrained"] == 2
     rollouts.produce(step=3, version=2)
     _, metrics = buffer.sample(global_steps=4, partition_id="train", batch_size=1)  # v=3: version 1 -> lag 2
-    assert metrics["hetero/dropped/stale"] == 2
+    assert metrics["hetero/dropped/stale_overflow"] == 2 and metrics["hetero/dropped/stale"] == 0
     assert metrics["hetero/lag/max"] <= 1
 
 

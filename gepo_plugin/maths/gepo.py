@@ -188,6 +188,10 @@ class GEPOLossTerms:
 
     token_losses: torch.Tensor
     metrics: dict[str, torch.Tensor]
+    #: detached per-sequence log w_i (for statistics by lag); None when not computed
+    log_weights: torch.Tensor | None = None
+    #: rows that hold a response
+    row_valid: torch.Tensor | None = None
 
 
 def k3_kl(log_prob: torch.Tensor, sampler_log_prob: torch.Tensor) -> torch.Tensor:
@@ -276,7 +280,7 @@ def gepo_token_losses(
             raise GEPOInputError("the group term log E_hat_q[q] is non-finite for some response")
         clipped_tokens = ((losses_clipped > losses_unclipped) * fmask).sum(dim=-1)
         metrics = gepo_metrics(log_w, lengths, row_valid, clipped_tokens, seq_kl, seq_neg_log_ratio)
-    return GEPOLossTerms(token_losses=token_losses, metrics=metrics)
+    return GEPOLossTerms(token_losses=token_losses, metrics=metrics, log_weights=log_w.detach(), row_valid=row_valid)
 
 
 @torch.no_grad()

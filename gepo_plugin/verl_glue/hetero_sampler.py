@@ -15,7 +15,7 @@ prompts, batch materialisation) with the staleness rule replaced by the exact on
   ``wait``: the learner does not train version ``v`` while a group still in flight could expire
   (its version lower bound ``< v + 1 - K``), and such "urgent" groups are selected first. If more
   urgent groups finish than one batch holds, the excess would break the bound: it is evicted with
-  reason ``stale`` and a warning (raise ``max_lag``, lower the delay, or use admission control).
+  reason ``stale_overflow`` and a warning (raise ``max_lag``/``admission_margin`` or lower the delay).
 * ``refuse_mixed_versions``: groups whose tokens span several versions are evicted (``mixed_versions``).
 * Failed groups (verl evicts and refills them) are counted as ``failed``.
 
@@ -46,6 +46,8 @@ TRAIN = "train"
 PREFIX = "hetero/"
 #: Reason recorded for failed rollout groups (verl evicts and refills them).
 FAILED = "failed"
+#: Reason under ``wait`` when more groups expire at once than one batch can train.
+OVERFLOW = "stale_overflow"
 #: Reason for ledger-queued groups that a resumed TransferQueue no longer holds.
 MISSING = "missing_after_resume"
 
@@ -164,14 +166,16 @@ class HeteroReplayBuffer(ReplayBufferAsync):
             lo, hi = self._min_version[uid], self._max_version[uid]
             verdict = self.policy.verdict(learner_version, lo, min(hi, learner_version))
             if verdict is not Verdict.TRAIN:
-                self._reasons[uid] = verdict.value
+                overflow = verdict is Verdict.DROP_STALE and self.policy.strategy == "wait"
+                self._reasons[uid] = OVERFLOW if overflow else verdict.value
                 evict.add(uid)
-        if evict and self.policy.strategy == "wait":
+        if any(self._reasons[uid] == OVERFLOW for uid in evict):
             logger.warning(
                 "hetero: %d finished group(s) exceed max_lag=%s under the wait strategy (more urgent groups than "
-                "one batch); evicted as stale to keep the bound",
+                "one batch); evicted (%s) to keep the bound; pause old samplers earlier with hetero.admission_margin",
                 len(evict),
                 self.policy.max_lag,
+                OVERFLOW,
             )
         failed = {uid for uid, reason in self._reasons.items() if reason == FAILED}
         return evict, set(), failed, {}
@@ -255,7 +259,7 @@ class HeteroReplayBuffer(ReplayBufferAsync):
                 PREFIX + "learner_wait_s": float(wait),
             }
         )
-        for reason in (Verdict.DROP_STALE.value, Verdict.DROP_MIXED.value, FAILED):
+        for reason in (Verdict.DROP_STALE.value, OVERFLOW, Verdict.DROP_MIXED.value, FAILED):
             metrics.setdefault(PREFIX + f"dropped/{reason}", 0.0)
         if cycle is not None and cycle > 0:
             metrics[PREFIX + "learner_idle_fraction"] = float(min(1.0, wait / cycle))

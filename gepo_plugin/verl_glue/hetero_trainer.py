@@ -8,7 +8,9 @@
    learner waits);
 2. saves the sampler's ledger and queued-group versions as ``hetero.json`` next to verl's
    checkpoint (verl's TransferQueue checkpoint holds the groups themselves) and restores them on
-   resume, so counters continue and nothing is counted twice or lost.
+   resume, so counters continue and nothing is counted twice or lost;
+3. writes each sample's lag (learner version - oldest weight version of its group) into the batch,
+   so the GEPO loss reports its importance weight by lag bucket (``actor/gepo/iw_by_lag/...``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+
+import numpy as np
+import torch
 
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
 
@@ -56,6 +61,19 @@ class HeteroMixin:
             sampler.version_floor_by_step = sync.version_floor_by_step
             sampler.on_poll = sync.poll
 
+    def _compute_advantage(self, batch, metrics: dict):
+        batch = super()._compute_advantage(batch, metrics)
+        if self._hetero_sampler() is None:
+            return batch
+        import transfer_queue as tq
+        from tensordict import TensorDict
+
+        from gepo_plugin.verl_glue.sample_terms import SAMPLE_LAG
+
+        lags = sample_lags(batch.keys, batch.tags, learner_version=self.global_steps - 1)
+        fields = TensorDict({SAMPLE_LAG: torch.as_tensor(lags, dtype=torch.float32)}, batch_size=len(batch))
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
+
     def _save_checkpoint(self):
         super()._save_checkpoint()
         sampler = self._hetero_sampler()
@@ -91,3 +109,19 @@ class HeteroMixin:
             ledger["produced"],
             ledger["trained"],
         )
+
+
+def sample_lags(keys, tags, learner_version: int) -> np.ndarray:
+    """Per sample: ``learner_version - min(min_global_steps over the sample's prompt group)``; 0 for padding."""
+    uids = np.array([key.split("_")[0] for key in keys], dtype=object)
+    padding = np.array([bool(tag.get("is_padding", False)) for tag in tags])
+    versions = np.array(
+        [learner_version if pad else int(tag["min_global_steps"]) for tag, pad in zip(tags, padding, strict=True)],
+        dtype=np.int64,
+    )
+    _, group = np.unique(uids, return_inverse=True)
+    oldest = np.full(group.max() + 1 if group.size else 0, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(oldest, group, versions)
+    lags = learner_version - oldest[group]
+    lags[padding] = 0
+    return lags

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
+from gepo_plugin.hetero.lag_buckets import weight_stats_by_lag
 from gepo_plugin.maths import GroupIndex, gepo_token_losses, group_log_expectation, sequence_log_prob
-from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, current_sample_terms
+from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, SAMPLE_LAG, current_sample_terms
 
 METRIC_PREFIX = "actor/gepo/"
 
@@ -117,4 +118,12 @@ def compute_policy_loss_gepo(
     metrics[f"{METRIC_PREFIX}clipfrac"] = m["clipfrac"]
     metrics[f"{METRIC_PREFIX}sampler_kl"] = m["sampler_kl"]
     metrics[f"{METRIC_PREFIX}group_term_present"] = 1.0 if group_scope == "prompt" else 0.0
+    lags = current_sample_terms().get(SAMPLE_LAG)
+    if lags is not None and terms.log_weights is not None:
+        # HeteroRL: GEPO's weight by staleness bucket (verl averages these over the micro-batches that have the bucket)
+        for label, stats in weight_stats_by_lag(
+            terms.log_weights, lags.to(terms.log_weights.device), terms.row_valid
+        ).items():
+            metrics[f"{METRIC_PREFIX}iw_by_lag/{label}/mean"] = stats["mean"]
+            metrics[f"{METRIC_PREFIX}iw_by_lag/{label}/var"] = stats["var"]
     return pg_loss, metrics

@@ -23,8 +23,10 @@ import torch
 #: Field with ``log E_hat_q[q]`` of each sample's prompt group (GEPO's denominator).
 LOG_GROUP_EXPECTATION = "gepo_log_group_expectation"
 
+#: Field with each sample's staleness (learner version - oldest weight version of its group), HeteroRL only.
+SAMPLE_LAG = "gepo_sample_lag"
 #: All per-sample fields the loss wrapper forwards.
-SAMPLE_TERM_FIELDS: tuple[str, ...] = (LOG_GROUP_EXPECTATION,)
+SAMPLE_TERM_FIELDS: tuple[str, ...] = (LOG_GROUP_EXPECTATION, SAMPLE_LAG)
 
 _CURRENT_TERMS: ContextVar[Mapping[str, torch.Tensor] | None] = ContextVar("gepo_sample_terms", default=None)
 

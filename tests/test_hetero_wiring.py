@@ -1,0 +1,128 @@
+"""hetero.enable wiring through Hydra + prepare_config, per-sample lags, and GEPO's weight by lag bucket."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_batch
+from test_config import composed
+
+from gepo_plugin.hetero.lag_buckets import bucket_labels, weight_stats_by_lag
+from gepo_plugin.hetero.settings import HeteroConfigError, parse_hetero
+from gepo_plugin.maths import group_log_expectation_from_tokens
+from gepo_plugin.verl_glue.hetero_trainer import sample_lags
+from gepo_plugin.verl_glue.hetero_wiring import SAMPLER_NAME, SAMPLER_PATH
+from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config
+from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, SAMPLE_LAG, ppo_loss_with_sample_terms
+
+ASYNC = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+
+
+@pytest.mark.parametrize(("loss", "trainer"), [("gepo", "gepo_separate_async"), ("grpo", "hetero_separate_async")])
+def test_enable_selects_the_plugins_sampler_and_trainer(loss, trainer):
+    config = composed(f"algorithm.loss={loss}", *ASYNC, "hetero.enable=true", "hetero.max_lag=4")
+    assert config.trainer.v1.trainer_mode == trainer
+    assert config.trainer.v1.sampler.custom_sampler.path == SAMPLER_PATH
+    assert config.trainer.v1.sampler.custom_sampler.name == SAMPLER_NAME
+    assert config.trainer.v1.sampler.sampler_kwargs.max_lag == 4
+    # verl's loader finds the class at that path
+    from verl.utils.import_utils import load_extern_object
+
+    assert load_extern_object(SAMPLER_PATH, SAMPLER_NAME).__name__ == SAMPLER_NAME
+
+
+def test_disabled_changes_nothing():
+    config = composed("algorithm.loss=grpo", *ASYNC)
+    assert config.trainer.v1.trainer_mode == "separate_async"
+    assert config.trainer.v1.sampler.custom_sampler.path is None
+
+
+def test_enable_in_sync_mode_says_what_to_change():
+    with pytest.raises(ValueError, match=r"trainer\.v1\.trainer_mode=separate_async"):
+        composed("algorithm.loss=gepo", "hetero.enable=true")
+
+
+def test_a_users_own_sampler_conflicts_clearly():
+    with pytest.raises(ValueError, match=r"custom_sampler\.path"):
+        composed("algorithm.loss=gepo", *ASYNC, "hetero.enable=true", "trainer.v1.sampler.custom_sampler.path=x.py")
+
+
+def test_bad_hetero_values_fail_at_compose_time():
+    with pytest.raises(HeteroConfigError, match="low"):
+        composed(*ASYNC, "hetero.enable=true", "hetero.delay.distribution=weibull", "hetero.delay.low=10")
+    with pytest.raises(HeteroConfigError, match="unknown delay distribution"):
+        composed(*ASYNC, "hetero.enable=true", "hetero.delay.distribution=pareto")
+
+
+def test_group_sizes_must_cover_the_replicas():
+    settings = parse_hetero({"sampler_groups": [2, 1]})
+    assert settings.group_sizes(3) == (2, 1)
+    with pytest.raises(HeteroConfigError, match="covers 3 replicas but verl started 4"):
+        settings.group_sizes(4)
+    assert parse_hetero({}).group_sizes(3) == (1, 1, 1)
+    with pytest.raises(HeteroConfigError, match="one per group"):
+        parse_hetero({"group_delays": [{"distribution": "none"}]}).group_sizes(2)
+
+
+def test_paper_interval_builds_a_clipped_lognormal():
+    settings = parse_hetero({"delay": {"distribution": "lognormal", "low": 60, "high": 1920, "confidence": 0.995}})
+    model = settings.delay_for(0)
+    assert model.clip_low == 60 and model.clip_high == 1920
+    assert model.quantile(0.0025) == pytest.approx(60) and model.quantile(0.9975) == pytest.approx(1920)
+
+
+def test_sample_lags_use_the_oldest_token_of_each_group():
+    keys = ["a_0_0", "a_1_0", "b_0_0", "b_1_0", "a_0_0"]
+    tags = [
+        {"min_global_steps": 5},
+        {"min_global_steps": 3},
+        {"min_global_steps": 6},
+        {"min_global_steps": 6},
+        {"is_padding": True},
+    ]
+    np.testing.assert_array_equal(sample_lags(keys, tags, learner_version=6), [3, 3, 0, 0, 0])
+
+
+def test_weight_stats_by_lag_match_numpy():
+    rng = np.random.default_rng(0)
+    log_w = rng.normal(0, 0.3, 200)
+    lags = rng.integers(0, 70, 200)
+    valid = rng.random(200) > 0.1
+    stats = weight_stats_by_lag(torch.tensor(log_w), torch.tensor(lags), torch.tensor(valid))
+    edges = [0, 1, 3, 9, 33, 10**9]
+    for label, lo, hi in zip(bucket_labels(), edges, edges[1:], strict=False):
+        chosen = np.exp(log_w[valid & (lags >= lo) & (lags < hi)])
+        assert stats[label]["count"] == chosen.size
+        assert stats[label]["mean"] == pytest.approx(chosen.mean(), rel=1e-12)
+        assert stats[label]["var"] == pytest.approx(chosen.var(), rel=1e-12)
+    with pytest.raises(ValueError, match="negative lag"):
+        weight_stats_by_lag(torch.zeros(2), torch.tensor([0, -1]))
+
+
+def test_gepo_loss_reports_its_weight_by_lag_bucket_through_verls_ppo_loss():
+    b = make_batch(group_sizes=(4, 4), seed=1, spread=0.3)
+    config = compose_actor_config(["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=2", "policy_loss.loss_mode=gepo"])
+    log_eq = group_log_expectation_from_tokens(b.old_log_prob, b.mask, b.group_ids)
+    lags = torch.tensor([0.0] * 4 + [5.0] * 4)
+    model_output, data = build_loss_inputs(
+        b.log_prob, b.old_log_prob, b.advantages, b.mask, {LOG_GROUP_EXPECTATION: log_eq, SAMPLE_LAG: lags}
+    )
+    _, metrics = ppo_loss_with_sample_terms(config, model_output=model_output, data=data)
+    lengths = b.mask.sum(-1)
+    seq_logp = (b.log_prob * b.mask).sum(-1) / lengths
+    w = torch.exp(seq_logp - log_eq).double()
+
+    def value(key):
+        metric = metrics[key]
+        return float(np.mean(metric.values)) if hasattr(metric, "values") else float(metric)
+
+    assert value("actor/gepo/iw_by_lag/0/mean") == pytest.approx(float(w[:4].mean()), rel=1e-5)
+    assert value("actor/gepo/iw_by_lag/3-8/var") == pytest.approx(float(w[4:].var(unbiased=False)), rel=1e-4)
+    assert not any("iw_by_lag/1-2" in key for key in metrics)
+    # without HeteroRL's lag field there are no lag metrics
+    model_output, data = build_loss_inputs(
+        b.log_prob, b.old_log_prob, b.advantages, b.mask, {LOG_GROUP_EXPECTATION: log_eq}
+    )
+    _, metrics = ppo_loss_with_sample_terms(config, model_output=model_output, data=data)
+    assert not any("iw_by_lag" in key for key in metrics)
