@@ -30,6 +30,11 @@ STATE_FILE = "hetero.json"
 
 
 class HeteroMixin:
+    def __init__(self, config):
+        if not bool(config.actor_rollout_ref.get("hybrid_engine", True)):
+            apply_hybrid_off_fix()
+        super().__init__(config)
+
     @property
     def hetero_settings(self) -> HeteroSettings:
         return parse_hetero(self.config.get("hetero"))
@@ -125,3 +130,16 @@ def sample_lags(keys, tags, learner_version: int) -> np.ndarray:
     lags = learner_version - oldest[group]
     lags[padding] = 0
     return lags
+
+
+def apply_hybrid_off_fix() -> None:
+    """verl 0.9.1's separate_async crashes with ``hybrid_engine=False``; apply the version-checked fix."""
+    import importlib
+
+    from gepo_plugin.patching import PatchVersionError, apply
+
+    patch = importlib.import_module("gepo_plugin.patches.separate_async_logger").PATCH
+    try:
+        apply(patch)
+    except PatchVersionError as error:
+        logger.warning("hetero: not patching (%s); hybrid_engine=False may fail if this verl still has the bug", error)
