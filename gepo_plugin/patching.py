@@ -3,8 +3,10 @@
 Every change to verl's behaviour beyond its public hooks is a :class:`Patch`: a name, the verl
 versions it was written for, what it fixes and why, and an ``apply`` function. :func:`apply`
 refuses (raises) on any other verl version instead of guessing, and records what it applied in
-:data:`APPLIED`, so ``python -m gepo_plugin doctor`` can say exactly what is active. Patches are
-applied only by the CPU backend, only when ``VERL_PLATFORM=cpu``: GPU users see no change.
+:data:`APPLIED`, so ``python -m gepo_plugin doctor`` can say exactly what is active. Each patch is
+applied only where it is needed: ``gloo_process_group`` by the CPU backend (``VERL_PLATFORM=cpu``),
+``separate_async_logger`` by HeteroRL runs with ``hybrid_engine=False``, ``server_identity`` by HeteroRL
+runs (``hetero.enable=true``). A plain GEPO run on GPUs applies none.
 """
 
 from __future__ import annotations

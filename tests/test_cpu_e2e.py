@@ -122,7 +122,14 @@ def test_hetero_separate_async_bound_delay_accounting_and_resume(tiny, tmp_path)
     assert max(m["hetero/lag/max"] for m in metrics.values()) >= 1, "nothing stale was trained: not asynchronous"
     # the delayed sampler really lags behind the learner at some step
     assert any(m["hetero/sampler_group_1/weight_version"] < step for step, m in metrics.items())
-    assert any(key.startswith("actor/gepo/iw_by_lag/") for m in metrics.values() for key in m)
+    for m in metrics.values():  # GEPO's weight by lag bucket: finalised shares of the step's sequences
+        shares = [v for k, v in m.items() if k.startswith("actor/gepo/iw_by_lag/") and k.endswith("/fraction")]
+        assert shares and sum(shares) == pytest.approx(1.0), m
+        assert not any(k.startswith("actor/gepo/iw_by_lag/") and k.endswith(("/sum", "/sumsq", "/count")) for k in m)
+    for m in metrics.values():  # every trained trajectory is attributed to the server that generated it
+        per_group = {k: v for k, v in m.items() if k.endswith("/trained_trajectories")}
+        assert sum(per_group.values()) == 4 * 4 and "hetero/sampler_group_unknown/trained_trajectories" not in m
+    assert sum(m.get("hetero/sampler_group_1/trained_trajectories", 0) for m in metrics.values()) > 0
     state = json.loads((tmp_path / "checkpoints" / "global_step_4" / "hetero.json").read_text())
     last = metrics[4]
     assert state["sampler"]["ledger"]["trained"] == last["hetero/trained"]

@@ -8,7 +8,7 @@ import torch
 from conftest import make_batch
 from test_config import composed
 
-from gepo_plugin.hetero.lag_buckets import bucket_labels, weight_stats_by_lag
+from gepo_plugin.hetero.lag_buckets import bucket_labels, weight_stats_by_lag, weight_sums_by_lag
 from gepo_plugin.hetero.settings import HeteroConfigError, parse_hetero
 from gepo_plugin.maths import group_log_expectation_from_tokens
 from gepo_plugin.verl_glue.hetero_trainer import sample_lags
@@ -26,6 +26,7 @@ def test_enable_selects_the_plugins_sampler_and_trainer(loss, trainer):
     assert config.trainer.v1.sampler.custom_sampler.path == SAMPLER_PATH
     assert config.trainer.v1.sampler.custom_sampler.name == SAMPLER_NAME
     assert config.trainer.v1.sampler.sampler_kwargs.max_lag == 4
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.GEPO_HETERO_SERVER_ID == "1"
     # verl's loader finds the class at that path
     from verl.utils.import_utils import load_extern_object
 
@@ -94,32 +95,66 @@ def test_weight_stats_by_lag_match_numpy():
     for label, lo, hi in zip(bucket_labels(), edges, edges[1:], strict=False):
         chosen = np.exp(log_w[valid & (lags >= lo) & (lags < hi)])
         assert stats[label]["count"] == chosen.size
+        assert stats[label]["fraction"] == pytest.approx(chosen.size / valid.sum(), rel=1e-12)
         assert stats[label]["mean"] == pytest.approx(chosen.mean(), rel=1e-12)
-        assert stats[label]["var"] == pytest.approx(chosen.var(), rel=1e-12)
+        assert stats[label]["var"] == pytest.approx(chosen.var(), rel=1e-9)
     with pytest.raises(ValueError, match="negative lag"):
         weight_stats_by_lag(torch.zeros(2), torch.tensor([0, -1]))
 
 
-def test_gepo_loss_reports_its_weight_by_lag_bucket_through_verls_ppo_loss():
-    b = make_batch(group_sizes=(4, 4), seed=1, spread=0.3)
-    config = compose_actor_config(["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=2", "policy_loss.loss_mode=gepo"])
+def test_weight_sums_report_every_bucket_even_empty_ones():
+    """verl needs the same metric keys from every micro-batch of every rank: empty buckets are zeros."""
+    sums = weight_sums_by_lag(torch.zeros(3), torch.tensor([0, 0, 40]))
+    assert list(sums) == bucket_labels()
+    assert sums["1-2"] == {"count": 0.0, "sum": 0.0, "sumsq": 0.0}
+    assert sums["0"] == {"count": 2.0, "sum": 2.0, "sumsq": 2.0} and sums["33+"]["count"] == 1.0
+    assert set(weight_stats_by_lag(torch.zeros(3), torch.tensor([0, 0, 40]))) == {"0", "33+"}
+
+
+def test_gepo_weight_by_lag_bucket_through_verls_ppo_loss_and_metric_aggregation():
+    """Two data-parallel ranks x two micro-batches whose lag buckets differ, aggregated exactly as verl 0.9.1
+    does (``append_to_dict`` per rank, ``Metric.aggregate_dp`` across ranks, ``reduce_metrics`` in the trainer),
+    then finalised as the HeteroRL trainer does: mean / var / fraction equal the whole step's statistics.
+    (Per-bucket means emitted only where a bucket had samples crashed verl's aggregation: [2, 1] values.)"""
+    from verl.utils.metric import Metric, reduce_metrics
+    from verl.utils.py_functional import append_to_dict
+
+    from gepo_plugin.hetero.lag_buckets import finalize_lag_metrics
+
+    b = make_batch(group_sizes=(4, 4, 4, 4), seed=1, spread=0.3, shuffle=False)
+    config = compose_actor_config(["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=4", "policy_loss.loss_mode=gepo"])
     log_eq = group_log_expectation_from_tokens(b.old_log_prob, b.mask, b.group_ids)
-    lags = torch.tensor([0.0] * 4 + [5.0] * 4)
-    model_output, data = build_loss_inputs(
-        b.log_prob, b.old_log_prob, b.advantages, b.mask, {LOG_GROUP_EXPECTATION: log_eq, SAMPLE_LAG: lags}
-    )
-    _, metrics = ppo_loss_with_sample_terms(config, model_output=model_output, data=data)
-    lengths = b.mask.sum(-1)
-    seq_logp = (b.log_prob * b.mask).sum(-1) / lengths
+    lags = torch.tensor([0.0] * 4 + [0.0] * 4 + [5.0] * 4 + [40.0] * 4)
+    # rank 0: groups 0 (lag 0) and 2 (lag 5); rank 1: groups 1 (lag 0) and 3 (lag 40)
+    layout = [[slice(0, 4), slice(8, 12)], [slice(4, 8), slice(12, 16)]]
+    per_rank = []
+    for micro_batches in layout:
+        aggregated: dict = {}
+        for rows in micro_batches:
+            model_output, data = build_loss_inputs(
+                b.log_prob[rows],
+                b.old_log_prob[rows],
+                b.advantages[rows],
+                b.mask[rows],
+                {LOG_GROUP_EXPECTATION: log_eq[rows], SAMPLE_LAG: lags[rows]},
+                dp_size=2,
+                batch_num_tokens=int(b.mask.sum()),
+                global_batch_size=16,
+            )
+            _, metrics = ppo_loss_with_sample_terms(config, model_output=model_output, data=data)
+            append_to_dict(aggregated, metrics)
+        per_rank.append(aggregated)
+    assert per_rank[0].keys() == per_rank[1].keys()
+    step = {key: Metric.aggregate_dp([rank[key] for rank in per_rank]) for key in per_rank[0]}
+    step = finalize_lag_metrics(reduce_metrics({key: [value] for key, value in step.items()}))
+
+    seq_logp = (b.log_prob * b.mask).sum(-1) / b.mask.sum(-1)
     w = torch.exp(seq_logp - log_eq).double()
-
-    def value(key):
-        metric = metrics[key]
-        return float(np.mean(metric.values)) if hasattr(metric, "values") else float(metric)
-
-    assert value("actor/gepo/iw_by_lag/0/mean") == pytest.approx(float(w[:4].mean()), rel=1e-5)
-    assert value("actor/gepo/iw_by_lag/3-8/var") == pytest.approx(float(w[4:].var(unbiased=False)), rel=1e-4)
-    assert not any("iw_by_lag/1-2" in key for key in metrics)
+    for label, rows in (("0", slice(0, 8)), ("3-8", slice(8, 12)), ("33+", slice(12, 16))):
+        assert step[f"actor/gepo/iw_by_lag/{label}/mean"] == pytest.approx(float(w[rows].mean()), rel=1e-6)
+        assert step[f"actor/gepo/iw_by_lag/{label}/var"] == pytest.approx(float(w[rows].var(unbiased=False)), rel=1e-4)
+    assert step["actor/gepo/iw_by_lag/0/fraction"] == pytest.approx(0.5)
+    assert not any("iw_by_lag/1-2" in key or key.endswith(("/sum", "/sumsq", "/count")) for key in step)
     # without HeteroRL's lag field there are no lag metrics
     model_output, data = build_loss_inputs(
         b.log_prob, b.old_log_prob, b.advantages, b.mask, {LOG_GROUP_EXPECTATION: log_eq}

@@ -10,7 +10,8 @@
    checkpoint (verl's TransferQueue checkpoint holds the groups themselves) and restores them on
    resume, so counters continue and nothing is counted twice or lost;
 3. writes each sample's lag (learner version - oldest weight version of its group) into the batch,
-   so the GEPO loss reports its importance weight by lag bucket (``actor/gepo/iw_by_lag/...``).
+   so the GEPO loss reports its importance weight by lag bucket (``actor/gepo/iw_by_lag/<bucket>/{mean,var,
+   fraction}``, from totals that add up across micro-batches and ranks: see ``hetero/lag_buckets.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import numpy as np
 import torch
 
+from gepo_plugin.hetero.lag_buckets import finalize_lag_metrics
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
 
 logger = logging.getLogger(__name__)
@@ -76,8 +78,66 @@ class HeteroMixin:
         from gepo_plugin.verl_glue.sample_terms import SAMPLE_LAG
 
         lags = sample_lags(batch.keys, batch.tags, learner_version=self.global_steps - 1)
+        metrics.update(self._throughput_metrics(batch))
         fields = TensorDict({SAMPLE_LAG: torch.as_tensor(lags, dtype=torch.float32)}, batch_size=len(batch))
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
+
+    def _update_actor(self, batch, metrics: dict):
+        batch = super()._update_actor(batch, metrics=metrics)
+        # the loss reports by-lag totals; the step's mean / var / fraction per bucket come from them
+        finalize_lag_metrics(metrics)
+        return batch
+
+    def _server_groups(self) -> dict[str, str]:
+        """Rollout server address -> sampler group label (``learner`` for the hybrid replicas on the learner)."""
+        if getattr(self, "_server_group_map", None) is None:
+            replicas = list(self.standalone_server_manager.get_replicas())
+            sizes = self.hetero_settings.group_sizes(len(replicas))
+            labels = [str(index) for index, size in enumerate(sizes) for _ in range(size)]
+            mapping = {replica.server_address: label for replica, label in zip(replicas, labels, strict=True)}
+            for address in getattr(self.llm_server_manager, "server_addresses", []) or []:
+                mapping.setdefault(address, "learner")
+            self._server_group_map = mapping
+        return self._server_group_map
+
+    def _throughput_metrics(self, batch) -> dict[str, float]:
+        """Trained trajectories and response tokens per sampler group, per second since the last step.
+
+        Rollouts carry their server in ``extra_fields["server_id"]`` (patches/server_identity.py); if a
+        rollout server does not report it the metrics are simply absent.
+        """
+        import time
+
+        import transfer_queue as tq
+
+        from gepo_plugin.patches.server_identity import SERVER_ID
+
+        now = time.monotonic()
+        elapsed = now - getattr(self, "_last_throughput_time", now)
+        self._last_throughput_time = now
+        real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
+        if not real:
+            return {}
+        data = tq.kv_batch_get(
+            keys=[batch.keys[i] for i in real], partition_id=batch.partition_id, select_fields=["extra_fields"]
+        )
+        extras = list(data["extra_fields"])
+        servers = [getattr(extra, "data", extra).get(SERVER_ID) if extra is not None else None for extra in extras]
+        if all(server is None for server in servers):
+            return {}
+        groups = self._server_groups()
+        labels = np.asarray([groups.get(server, "unknown") for server in servers])
+        lengths = np.asarray([batch.tags[i].get("response_len", 0) for i in real], dtype=np.float64)
+        names, index = np.unique(labels, return_inverse=True)
+        trajectories = dict(zip(names.tolist(), np.bincount(index).tolist(), strict=True))
+        tokens = dict(zip(names.tolist(), np.bincount(index, weights=lengths).tolist(), strict=True))
+        out = {}
+        for label in sorted({*trajectories, *(v for v in groups.values() if v != "learner")}):
+            prefix = f"hetero/sampler_group_{label}"
+            out[f"{prefix}/trained_trajectories"] = float(trajectories.get(label, 0))
+            if elapsed > 0:
+                out[f"{prefix}/trained_tokens_per_s"] = tokens.get(label, 0.0) / elapsed
+        return out
 
     def _save_checkpoint(self):
         super()._save_checkpoint()

@@ -56,4 +56,6 @@ def apply_hetero(config: DictConfig, explicit: set[str] | None = None) -> Hetero
         )
     with open_dict(config):
         config.trainer.v1.sampler.sampler_kwargs = OmegaConf.create(OmegaConf.to_container(config.hetero, resolve=True))
+    # every Ray process tags rollouts with their server (patches/server_identity.py): per-group throughput
+    OmegaConf.update(config, "ray_kwargs.ray_init.runtime_env.env_vars.GEPO_HETERO_SERVER_ID", "1", force_add=True)
     return settings

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-from gepo_plugin.hetero.lag_buckets import weight_stats_by_lag
+from gepo_plugin.hetero.lag_buckets import BY_LAG, weight_sums_by_lag
 from gepo_plugin.maths import GroupIndex, gepo_token_losses, group_log_expectation, sequence_log_prob
 from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, SAMPLE_LAG, current_sample_terms
 
@@ -120,10 +120,10 @@ def compute_policy_loss_gepo(
     metrics[f"{METRIC_PREFIX}group_term_present"] = 1.0 if group_scope == "prompt" else 0.0
     lags = current_sample_terms().get(SAMPLE_LAG)
     if lags is not None and terms.log_weights is not None:
-        # HeteroRL: GEPO's weight by staleness bucket (verl averages these over the micro-batches that have the bucket)
-        for label, stats in weight_stats_by_lag(
-            terms.log_weights, lags.to(terms.log_weights.device), terms.row_valid
-        ).items():
-            metrics[f"{METRIC_PREFIX}iw_by_lag/{label}/mean"] = stats["mean"]
-            metrics[f"{METRIC_PREFIX}iw_by_lag/{label}/var"] = stats["var"]
+        # HeteroRL: GEPO's weight by staleness bucket. Every bucket is reported in every micro-batch as additive
+        # totals (verl needs the same keys everywhere); the trainer turns the step's totals into mean/var/fraction.
+        sums = weight_sums_by_lag(terms.log_weights, lags.to(terms.log_weights.device), terms.row_valid)
+        for label, entry in sums.items():
+            for field, value in entry.items():
+                metrics[f"{METRIC_PREFIX}{BY_LAG}{label}/{field}"] = value
     return pg_loss, metrics

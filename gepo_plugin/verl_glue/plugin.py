@@ -28,6 +28,21 @@ def _activate_cpu_backend_loudly() -> None:
         logger.error("gepo-plugin: the CPU backend failed to activate: %s", STATUS["cpu_error"])
 
 
+def _apply_server_identity_if_hetero() -> None:
+    """HeteroRL runs set GEPO_HETERO_SERVER_ID=1 in every Ray process: tag rollouts with their server."""
+    import importlib
+    import os
+
+    if os.environ.get("GEPO_HETERO_SERVER_ID") != "1":
+        return
+    from gepo_plugin.patching import PatchVersionError, apply
+
+    try:
+        apply(importlib.import_module("gepo_plugin.patches.server_identity").PATCH)
+    except PatchVersionError as error:
+        logger.warning("gepo-plugin: per-sampler-group throughput is unavailable: %s", error)
+
+
 def register() -> bool:
     """Import the modules whose decorators register with verl, then verify. Never raises."""
     try:
@@ -36,6 +51,7 @@ def register() -> bool:
         # First, before anything resolves verl's platform: the inert cpu platform (selected only by
         # VERL_PLATFORM=cpu), then, if selected, the CPU backend's registrations and patches.
         _activate_cpu_backend_loudly()
+        _apply_server_identity_if_hetero()
         if not verl_version_supported(verl.__version__):
             logger.warning(
                 "gepo-plugin supports verl %s but verl %s is installed; registering anyway",

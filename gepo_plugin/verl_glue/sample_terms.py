@@ -67,15 +67,20 @@ def _rewrapped(metric, aggregation):
     return out
 
 
-def _extreme_metrics_as_max_min(metrics: dict) -> dict:
-    """verl wraps every policy-loss metric as a MEAN over micro-batches; a ``*_max`` / ``*_min``
-    statistic must aggregate as MAX / MIN instead, or it would report a mean of maxima."""
+def _fix_metric_aggregation(metrics: dict) -> dict:
+    """verl wraps every policy-loss metric as a MEAN over micro-batches. A ``*_max`` / ``*_min`` statistic must
+    aggregate as MAX / MIN instead, or it would report a mean of maxima; the by-lag totals
+    (:mod:`gepo_plugin.hetero.lag_buckets`) as SUM, so every mini-batch carries the same scale (1 / dp size)."""
     from verl.utils.metric import AggregationType, Metric
+
+    from gepo_plugin.hetero.lag_buckets import BY_LAG
 
     for key, value in list(metrics.items()):
         if not key.startswith("actor/gepo/") or not isinstance(value, Metric):
             continue
-        if key.endswith("_max"):
+        if BY_LAG in key:
+            metrics[key] = _rewrapped(value, AggregationType.SUM)
+        elif key.endswith("_max"):
             metrics[key] = _rewrapped(value, AggregationType.MAX)
         elif key.endswith("_min"):
             metrics[key] = _rewrapped(value, AggregationType.MIN)
@@ -88,4 +93,4 @@ def ppo_loss_with_sample_terms(config, model_output, data, dp_group=None):
 
     with provide_sample_terms(extract_sample_terms(data)):
         loss, metrics = ppo_loss(config, model_output, data, dp_group)
-    return loss, _extreme_metrics_as_max_min(metrics)
+    return loss, _fix_metric_aggregation(metrics)

@@ -1,0 +1,64 @@
+"""Tag each rollout with the server that generated it, so HeteroRL can report per-sampler-group throughput.
+
+verl 0.9.1's ``LLMServerClient.generate`` picks a rollout server through the global load balancer
+(``_acquire_server`` returns its id, the server address) but does not record it in the output. This
+patch remembers the id in a context variable when the server is acquired and adds
+``extra_fields["server_id"]`` to the ``TokenOutput`` of ``LLMServerClient.generate`` and of
+``FullyAsyncLLMServerClient.generate`` (which rebuilds ``extra_fields`` after partial-rollout
+resumes; the last server used is recorded). verl carries ``extra_fields`` into TransferQueue with the
+trajectory. Applied only in HeteroRL runs (``GEPO_HETERO_SERVER_ID=1``, set in the Ray runtime env
+by ``hetero.enable=true``); nothing else changes.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+
+from gepo_plugin.patching import Patch
+
+#: TokenOutput.extra_fields key with the generating server's address.
+SERVER_ID = "server_id"
+#: Environment switch, set for every Ray process of a HeteroRL run.
+ENV = "GEPO_HETERO_SERVER_ID"
+
+_LAST_SERVER: contextvars.ContextVar[str | None] = contextvars.ContextVar("gepo_last_server", default=None)
+
+
+def _tagging(generate):
+    @functools.wraps(generate)
+    async def wrapper(self, *args, **kwargs):
+        output = await generate(self, *args, **kwargs)
+        server = _LAST_SERVER.get()
+        extra = getattr(output, "extra_fields", None)
+        if server is not None and isinstance(extra, dict):
+            extra[SERVER_ID] = server
+        return output
+
+    wrapper.__wrapped__ = generate
+    return wrapper
+
+
+def _apply() -> None:
+    from verl.workers.rollout import llm_server
+
+    acquire = llm_server.LLMServerClient._acquire_server
+
+    @functools.wraps(acquire)
+    async def _acquire_server(self, *args, **kwargs):
+        server_id, server = await acquire(self, *args, **kwargs)
+        _LAST_SERVER.set(server_id)
+        return server_id, server
+
+    _acquire_server.__wrapped__ = acquire
+    llm_server.LLMServerClient._acquire_server = _acquire_server
+    llm_server.LLMServerClient.generate = _tagging(llm_server.LLMServerClient.generate)
+    llm_server.FullyAsyncLLMServerClient.generate = _tagging(llm_server.FullyAsyncLLMServerClient.generate)
+
+
+PATCH = Patch(
+    name="server_identity",
+    verl_versions="==0.9.1",
+    reason="rollout outputs do not say which server generated them (needed for per-sampler-group throughput)",
+    apply=_apply,
+)
