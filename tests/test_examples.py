@@ -481,3 +481,44 @@ def test_launch_command_resolves_with_the_cli(name, cfg_jobs):
     assert code == 0, results["stderr"][1][-4000:]
     config = yaml.safe_load(text)
     check_intent(config, LAUNCHES[name][1], prepared=False)
+
+
+def test_lab_sensitivity_sweep_runs_valid_lab_commands_one_change_each():
+    """examples/lab/sensitivity.sh: every printed command parses with gepo-lab's own parser, resolves to a valid
+    lab config, and differs from the ``base`` variant in exactly the setting its name says."""
+    from gepo_plugin.lab import stability as st
+    from gepo_plugin.lab.cli import build_parser
+
+    env = {**os.environ, "PRINT_ONLY": "1", "PYTHON": "python", "OUT": "/tmp/never-written"}
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "lab/sensitivity.sh")], capture_output=True, text=True, timeout=30, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    resolved = {}
+    for line in result.stdout.splitlines():
+        words = shlex.split(line)
+        assert words[:4] == ["python", "-m", "gepo_plugin.lab", "stability"], words
+        args = build_parser().parse_args(words[3:])
+        overrides = {name: getattr(args, name) for name in st._OVERRIDE_OPTIONS if getattr(args, name) is not None}
+        config, methods, lags, seeds = st.resolve(args.preset, args.seeds, args.methods, args.lags, overrides)
+        assert (methods, lags, seeds) == (["gepo", "gspo", "grpo"], [64], [0, 1, 2])
+        resolved[args.out.name] = config
+    base = resolved.pop("base")
+    expected = {
+        "lr_3e-3": {"lr"},
+        "lr_3e-4": {"lr"},
+        "group_4": {"group_size"},
+        "group_16": {"group_size"},
+        "clip_0.1": {"clip"},
+        "clip_0.4": {"clip"},
+        "long_delays": {"delay_low", "delay_high"},
+        "steps_400": {"rl_steps"},
+    }
+    assert set(resolved) == set(expected)
+    for name, config in resolved.items():
+        changed = {f for f in base.__dataclass_fields__ if getattr(config, f) != getattr(base, f)}
+        assert changed == expected[name], name
+    unknown = subprocess.run(
+        ["bash", str(EXAMPLES / "lab/sensitivity.sh"), "no_such_variant"], capture_output=True, text=True, env=env
+    )
+    assert unknown.returncode == 2 and "unknown variant" in unknown.stderr

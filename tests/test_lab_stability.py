@@ -111,6 +111,8 @@ def test_identical_seeds_identical_results(tmp_path: Path) -> None:
         ({"strategy": "hope"}, "unknown strategy"),
         ({"rl_steps": 0}, "rl_steps"),
         ({"prompts_per_step": 6}, "multiple of groups_per_batch"),
+        ({"clip": 0.0}, "clip"),
+        ({"clip": 1.5}, "clip"),
     ],
 )
 def test_bad_options_raise_clear_errors(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
@@ -146,6 +148,15 @@ def test_methods_follow_the_plugin_presets() -> None:
     assert specs["dr_grpo"].loss_agg_mode == "seq-mean-token-sum-norm" and not specs["dr_grpo"].norm_by_std
     assert specs["bnpo"].estimator == "bnpo"
     assert all(spec.clip_low == spec.clip_high == 0.2 for spec in specs.values())
+
+
+def test_clip_option_reaches_the_loss(tmp_path: Path) -> None:
+    """--clip replaces the presets' 0.2 in verl's actor config: a tighter clip clips more tokens."""
+    kwargs = dict(preset="ci", methods=["grpo"], lags=[8], rl_steps=12, eval_every=12, progress=False)
+    default = st.run_stability(tmp_path / "default", **kwargs)
+    tight = st.run_stability(tmp_path / "tight", clip=0.01, **kwargs)
+    assert tight["config"]["clip"] == 0.01 and default["config"]["clip"] is None
+    assert tight["runs"][0]["clipfrac_mean"] > default["runs"][0]["clipfrac_mean"] + 0.05
 
 
 def test_reward_is_exact_answer_then_eos() -> None:

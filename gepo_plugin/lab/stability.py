@@ -42,8 +42,8 @@ Presets (run times on a shared 2-core machine, one torch thread, about 0.1 s per
 
 * ``ci``: gepo + grpo, max_lag 0 and 8, seed 0, 60 RL steps, for the tests (measured 35-40 s).
 * ``quick``: gepo, gspo, grpo at max_lag 0 and 64, seeds 0 and 1, 150 RL steps (measured 207 s).
-* ``paper``: all five methods, max_lag 0 / 8 / 64, seeds 0-4, 200 RL steps (not run; estimated about
-  27 min: 75 runs x ~21 s plus five warm starts).
+* ``paper``: all five methods, max_lag 0 / 8 / 64, seeds 0-4, 200 RL steps (measured 1969 s, 33 min:
+  75 runs plus five warm starts; its table is in the README and ``docs/lab/paper/``).
 
 Best eval is a maximum over noisy evaluations (125 problems x 8 samples), so it is biased upward;
 compare gaps between methods rather than reading one gap in isolation. The k3 KL is heavy-tailed (one
@@ -116,6 +116,7 @@ class StabilityConfig:
     buffer_groups: int = 0  # 0 = prompts_per_step
     temperature: float = 1.0
     grad_clip: float = 1.0
+    clip: float | None = None  # ratio clip eps for every method, both sides (None = the presets' 0.2/0.2)
     eval_every: int = 10
     eval_samples: int = 8
     # heterogeneous samplers (simulated seconds)
@@ -144,6 +145,10 @@ class StabilityConfig:
             )
         if not self.lr >= 0:
             raise StabilityConfigError(f"lr must be >= 0, got {self.lr}")
+        if self.clip is not None and not 0 < self.clip < 1:
+            raise StabilityConfigError(
+                f"clip is the ratio clip eps, 1-eps..1+eps, and must be in (0, 1), got {self.clip}"
+            )
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,7 @@ PRESETS: dict[str, Preset] = {
     "ci": Preset(("gepo", "grpo"), (0, 8), (0,), {"rl_steps": 60, "eval_every": 20}, "tests: ~40 s"),
     "quick": Preset(("gepo", "gspo", "grpo"), (0, 64), (0, 1), {"rl_steps": 150}, "GEPO vs GSPO vs GRPO, ~3.5 min"),
     "paper": Preset(
-        METHODS, (0, 8, 64), (0, 1, 2, 3, 4), {"rl_steps": 200}, "all methods, lags 0/8/64, ~27 min (est.)"
+        METHODS, (0, 8, 64), (0, 1, 2, 3, 4), {"rl_steps": 200}, "all methods, lags 0/8/64, 5 seeds, ~33 min"
     ),
 }
 
@@ -391,6 +396,8 @@ def run_stability(
 
         task = build_task(config.max_a, config.max_b, config.eval_fraction, config.task_seed)
         specs = {m: MethodSpec.from_preset(m) for m in methods}
+        if config.clip is not None:
+            specs = {m: dataclasses.replace(s, clip_low=config.clip, clip_high=config.clip) for m, s in specs.items()}
         run_fn = simulate_run
         n_runs = len(seeds) * len(methods) * len(lags)
         bar = tqdm(total=n_runs * config.rl_steps, disable=not progress, desc="stability", unit="step")
@@ -497,7 +504,7 @@ def add_stability_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         choices=sorted(PRESETS),
         default="quick",
         help="ci (~40 s, for tests), quick (~3.5 min: gepo/gspo/grpo at lag 0 and 64, 2 seeds) or paper "
-        "(all methods, lags 0/8/64, 5 seeds, ~27 min estimated); default quick",
+        "(all methods, lags 0/8/64, 5 seeds, ~33 min measured); default quick",
     )
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds to run (default: the preset's)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, help="methods to compare (default: the preset's)")
@@ -507,6 +514,11 @@ def add_stability_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--lr", type=float, help="RL learning rate of AdamW (default 1e-3)")
     parser.add_argument("--group-size", type=int, help="responses per prompt G (default 8)")
     parser.add_argument("--prompts-per-step", type=int, help="prompt groups per learner update (default 16)")
+    parser.add_argument(
+        "--clip",
+        type=float,
+        help="ratio clip eps for every method, both sides: 1-eps..1+eps (default: the presets' 0.2/0.2)",
+    )
     parser.add_argument(
         "--strategy",
         choices=STRATEGIES,
@@ -575,6 +587,7 @@ _OVERRIDE_OPTIONS = (
     "lr",
     "group_size",
     "prompts_per_step",
+    "clip",
     "strategy",
     "delay_low",
     "delay_high",
