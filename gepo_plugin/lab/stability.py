@@ -42,7 +42,7 @@ Presets (run times on a shared 2-core machine, one torch thread, about 0.1 s per
 
 * ``ci``: gepo + grpo, max_lag 0 and 8, seed 0, 60 RL steps, for the tests (measured 35-40 s).
 * ``quick``: gepo, gspo, grpo at max_lag 0 and 64, seeds 0 and 1, 150 RL steps (measured 207 s).
-* ``paper``: all five methods, max_lag 0 / 8 / 64, seeds 0-4, 200 RL steps (measured 1969 s, 33 min:
+* ``paper``: all five methods, max_lag 0 / 8 / 64, seeds 0-4, 200 RL steps (measured 1520 s, 25 min:
   75 runs plus five warm starts; its table is in the README and ``docs/lab/paper/``).
 
 Best eval is a maximum over noisy evaluations (125 problems x 8 samples), so it is biased upward;
@@ -166,7 +166,7 @@ PRESETS: dict[str, Preset] = {
     "ci": Preset(("gepo", "grpo"), (0, 8), (0,), {"rl_steps": 60, "eval_every": 20}, "tests: ~40 s"),
     "quick": Preset(("gepo", "gspo", "grpo"), (0, 64), (0, 1), {"rl_steps": 150}, "GEPO vs GSPO vs GRPO, ~3.5 min"),
     "paper": Preset(
-        METHODS, (0, 8, 64), (0, 1, 2, 3, 4), {"rl_steps": 200}, "all methods, lags 0/8/64, 5 seeds, ~33 min"
+        METHODS, (0, 8, 64), (0, 1, 2, 3, 4), {"rl_steps": 200}, "all methods, lags 0/8/64, 5 seeds, ~25 min"
     ),
 }
 
@@ -504,7 +504,7 @@ def add_stability_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         choices=sorted(PRESETS),
         default="quick",
         help="ci (~40 s, for tests), quick (~3.5 min: gepo/gspo/grpo at lag 0 and 64, 2 seeds) or paper "
-        "(all methods, lags 0/8/64, 5 seeds, ~33 min measured); default quick",
+        "(all methods, lags 0/8/64, 5 seeds, ~25 min measured); default quick",
     )
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds to run (default: the preset's)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, help="methods to compare (default: the preset's)")
