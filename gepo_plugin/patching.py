@@ -11,6 +11,8 @@ runs (``hetero.enable=true``). A plain GEPO run on GPUs applies none.
 
 from __future__ import annotations
 
+import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,3 +52,17 @@ def apply(patch: Patch) -> bool:
     patch.apply()
     APPLIED.append(patch.name)
     return True
+
+
+def apply_named(name: str) -> bool:
+    """Apply the ``PATCH`` of ``gepo_plugin.patches.<name>`` (the repository's ``patches/<name>.py``)."""
+    return apply(importlib.import_module(f"gepo_plugin.patches.{name}").PATCH)
+
+
+def apply_optional(name: str, consequence: str, log: logging.Logger) -> bool:
+    """:func:`apply_named` for a patch a run can do without: on another verl, warn with ``consequence`` instead."""
+    try:
+        return apply_named(name)
+    except PatchVersionError as error:
+        log.warning("gepo-plugin: not patching (%s); %s", error, consequence)
+        return False

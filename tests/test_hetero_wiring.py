@@ -194,3 +194,19 @@ def test_hybrid_engine_off_fix_refuses_another_verl(monkeypatch):
     monkeypatch.setattr(verl, "__version__", "0.9.9")
     with pytest.raises(PatchVersionError, match=r"0\.9\.9"):
         apply(importlib.import_module("gepo_plugin.patches.separate_async_logger").PATCH)
+
+
+def test_an_optional_patch_on_another_verl_warns_with_what_is_lost(monkeypatch, caplog):
+    import logging
+
+    import verl
+
+    from gepo_plugin import patching
+
+    monkeypatch.setattr(patching, "APPLIED", [])
+    monkeypatch.setattr(verl, "__version__", "0.9.9")
+    log = logging.getLogger("gepo_plugin.test")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        assert patching.apply_optional("server_identity", "per-sampler-group throughput is unavailable", log) is False
+    assert "0.9.9" in caplog.text and "per-sampler-group throughput is unavailable" in caplog.text
+    assert patching.applied_patches() == []

@@ -46,13 +46,11 @@ def activate_cpu_backend() -> bool:
     """Register the CPU engines, rollout and checkpoint engine and apply the patches (idempotent)."""
     if not cpu_platform_selected():
         return False
-    import importlib
-
-    from gepo_plugin.patching import apply
+    from gepo_plugin.patching import apply_named
 
     _register_engines()
     for name in PATCH_MODULES:
-        apply(importlib.import_module(f"gepo_plugin.patches.{name}").PATCH)
+        apply_named(name)
     from gepo_plugin.cpu_backend.hf_rollout import register_hf_rollout
     from gepo_plugin.cpu_backend.ray_mailbox_engine import register_ray_mailbox_engine
 

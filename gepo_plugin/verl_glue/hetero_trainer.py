@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -106,8 +107,6 @@ class HeteroMixin:
         Rollouts carry their server in ``extra_fields["server_id"]`` (patches/server_identity.py); if a
         rollout server does not report it the metrics are simply absent.
         """
-        import time
-
         import transfer_queue as tq
 
         from gepo_plugin.patches.server_identity import SERVER_ID
@@ -194,12 +193,6 @@ def sample_lags(keys, tags, learner_version: int) -> np.ndarray:
 
 def apply_hybrid_off_fix() -> None:
     """verl 0.9.1's separate_async crashes with ``hybrid_engine=False``; apply the version-checked fix."""
-    import importlib
+    from gepo_plugin.patching import apply_optional
 
-    from gepo_plugin.patching import PatchVersionError, apply
-
-    patch = importlib.import_module("gepo_plugin.patches.separate_async_logger").PATCH
-    try:
-        apply(patch)
-    except PatchVersionError as error:
-        logger.warning("hetero: not patching (%s); hybrid_engine=False may fail if this verl still has the bug", error)
+    apply_optional("separate_async_logger", "hybrid_engine=False may fail if this verl still has the bug", logger)

@@ -30,17 +30,13 @@ def _activate_cpu_backend_loudly() -> None:
 
 def _apply_server_identity_if_hetero() -> None:
     """HeteroRL runs set GEPO_HETERO_SERVER_ID=1 in every Ray process: tag rollouts with their server."""
-    import importlib
     import os
 
     if os.environ.get("GEPO_HETERO_SERVER_ID") != "1":
         return
-    from gepo_plugin.patching import PatchVersionError, apply
+    from gepo_plugin.patching import apply_optional
 
-    try:
-        apply(importlib.import_module("gepo_plugin.patches.server_identity").PATCH)
-    except PatchVersionError as error:
-        logger.warning("gepo-plugin: per-sampler-group throughput is unavailable: %s", error)
+    apply_optional("server_identity", "per-sampler-group throughput metrics are unavailable", logger)
 
 
 def register() -> bool:
