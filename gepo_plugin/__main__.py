@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gepo_plugin import doctor
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -13,15 +15,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Training itself runs through `python -m gepo_plugin.main_ppo algorithm.loss=gepo ...`.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    doctor = sub.add_parser(
-        "doctor",
-        help="check versions and that the plugin is registered in this process and in a fresh Ray actor",
-        description="Print installed versions, the losses/estimators/trainers the plugin registered in this "
-        "process and inside a freshly started Ray actor, and which patches are applied. Exits non-zero if "
-        "anything the plugin needs is missing.",
-    )
-    doctor.add_argument(
-        "--no-ray", action="store_true", help="skip the Ray actor check (faster; checks this process only)"
+    doctor.add_arguments(
+        sub.add_parser(
+            "doctor",
+            help="check versions, verl internals and that the plugin is registered here and in a fresh Ray actor",
+            description="Print installed versions, the losses/estimators/trainers the plugin registered in this "
+            "process and inside a freshly started Ray actor, the patches applied, and every private verl name the "
+            "plugin relies on with its status. Exits non-zero if anything the plugin needs is missing.",
+        )
     )
     demo = sub.add_parser(
         "demo",
@@ -58,9 +59,7 @@ def print_presets() -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        from gepo_plugin.doctor import run
-
-        return run(check_ray=not args.no_ray)
+        return doctor.run(check_ray=not args.fast)
     if args.command == "demo":
         from gepo_plugin.demo import run
 

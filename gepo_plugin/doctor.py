@@ -1,18 +1,23 @@
-"""``python -m gepo_plugin doctor``: is the plugin really active, here and in Ray workers?
+"""``python -m gepo_plugin doctor``: is the plugin really active, here and in Ray workers, and on what verl?
 
-verl loads plugins in every process but swallows their import errors, so "it works in my
-shell" says nothing about the TaskRunner or the workers. The doctor checks the launcher
-process and a freshly started Ray actor that does nothing but ``import verl``.
+verl loads plugins in every process but swallows their import errors, so "it works in my shell" says nothing
+about the TaskRunner or the workers. The doctor checks this process and (unless ``--fast``) a freshly started
+Ray actor that does nothing but ``import verl``, and prints every private verl name the plugin relies on with
+its status (:mod:`gepo_plugin.verl_glue.seam`). It exits non-zero if anything the plugin needs is missing.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as metadata
 import platform
 import sys
+import time
 from typing import Any
 
-PACKAGES = ("verl", "torch", "ray", "transformers", "tensordict", "TransferQueue", "hydra-core")
+PACKAGES = ("verl", "torch", "ray", "transformers", "tensordict", "TransferQueue", "hydra-core", "megatron-core")
+#: packages the plugin cannot work without (the others are reported for information).
+REQUIRED = ("verl", "torch", "ray", "transformers", "tensordict", "TransferQueue", "hydra-core")
 
 
 def versions() -> dict[str, str]:
@@ -31,24 +36,20 @@ def probe_process() -> dict[str, Any]:
 
     import verl
 
-    from gepo_plugin.names import ENTRY_POINT_MODULE, registered_names
+    from gepo_plugin.names import ENTRY_POINT_MODULE
     from gepo_plugin.patching import applied_patches
+    from gepo_plugin.verl_glue.registration import registration_status
 
-    status = {}
-    plugin = sys.modules.get(ENTRY_POINT_MODULE)
-    if plugin is not None:
-        status = dict(plugin.STATUS)
     return {
         "pid": os.getpid(),
         "verl": verl.__version__,
-        "entry_point_loaded": plugin is not None,
-        "status": status,
-        "registered": registered_names(),
+        "entry_point_loaded": ENTRY_POINT_MODULE in sys.modules,
+        "status": registration_status(),
         "patches": applied_patches(),
     }
 
 
-def probe_ray_actor(timeout_s: float = 180.0) -> dict[str, Any]:
+def probe_ray_actor(timeout_s: float = 300.0) -> dict[str, Any]:
     """Run :func:`probe_process` in a fresh Ray actor (starting a local Ray if none is running)."""
     import ray
 
@@ -65,62 +66,114 @@ def probe_ray_actor(timeout_s: float = 180.0) -> dict[str, Any]:
 
 
 def _problems(report: dict[str, Any], where: str) -> list[str]:
-    from gepo_plugin.names import expected_names
-
     problems = []
     if not report["entry_point_loaded"]:
         problems.append(
             f"{where}: verl did not load the plugin's entry point (is gepo-plugin installed in this environment, "
             "and VERL_USE_EXTERNAL_PLUGINS not 'none'?)"
         )
-    if report["status"].get("error"):
-        problems.append(f"{where}: registration failed: {report['status']['error']}")
-    for kind, names in expected_names().items():
-        missing = [n for n in names if n not in report["registered"][kind]]
-        if missing:
-            problems.append(f"{where}: {kind} not registered: {missing}")
+    status = report["status"]
+    for step, error in status["errors"].items():
+        problems.append(f"{where}: could not {step}: {error}")
+    if status["missing"]:
+        problems.append(f"{where}: not registered with verl: {status['missing']}")
     return problems
+
+
+class _Progress:
+    """One line per step with its duration, flushed at once: the doctor never sits silent for long."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.done = steps, 0
+
+    def run(self, what: str, action):
+        self.done += 1
+        print(f"  [{self.done}/{self.steps}] {what} ...", end="", flush=True)
+        start = time.perf_counter()
+        try:
+            return action()
+        finally:
+            print(f" {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _print_report(where: str, report: dict[str, Any]) -> None:
+    registered = report["status"]["registered"]
+    print(f"  {where} (pid {report['pid']}, verl {report['verl']}):")
+    print(f"    policy losses:        {', '.join(registered['policy_losses']) or '-'}")
+    print(f"    advantage estimators: {', '.join(registered['advantage_estimators']) or '-'}")
+    print(f"    trainers:             {', '.join(registered['trainers']) or '-'}")
+    patches = report["patches"]
+    print(f"    patches applied:      {', '.join(patches) if patches else 'none'}")
+
+
+def _print_seam() -> list[str]:
+    """The table of private verl names; returns the features that cannot start."""
+    from gepo_plugin.verl_glue import seam
+
+    rows = seam.report()
+    print("  verl internals the plugin relies on (gepo_plugin/verl_glue/seam.py):")
+    width = max(len(row["contact"]) for row in rows)
+    for row in rows:
+        print(f"    {row['contact']:<{width}}  {row['status']:<6}  [{row['features']}]")
+    broken = sorted({f for row in rows if row["status"] != "ok" for f in row["features"].split(", ")})
+    message = seam.untested_warning()
+    if message:
+        print(f"  NOTE: {message}")
+    return broken
 
 
 def run(check_ray: bool = True) -> int:
     """Print the report; return the process exit code (0 when everything the plugin needs is there)."""
     import gepo_plugin
 
-    print(f"gepo-plugin {gepo_plugin.__version__} doctor")
+    print(f"gepo-plugin {gepo_plugin.__version__} doctor", flush=True)
     found = versions()
     print("  versions: " + " | ".join(f"{k} {v}" for k, v in found.items()))
-    problems = [f"{name} is not installed" for name, v in found.items() if v == "MISSING"]
+    problems = [f"{name} is not installed" for name in REQUIRED if found[name] == "MISSING"]
     if found.get("verl") != "MISSING":
-        from gepo_plugin.names import verl_version_supported
+        from gepo_plugin.names import SUPPORTED_VERL, verl_version_supported
 
         if not verl_version_supported(found["verl"]):
-            problems.append(f"verl {found['verl']} is outside the supported range >=0.9.1,<0.10")
-    reports = {"launcher": probe_process()}
+            problems.append(f"verl {found['verl']} is outside the supported range {','.join(SUPPORTED_VERL)}")
+    progress = _Progress(3 if check_ray else 2)
+    reports = {"this process": progress.run("importing verl and checking the registrations here", probe_process)}
+    broken = progress.run("checking verl's internals the plugin uses", _print_seam)
     if check_ray:
         try:
-            reports["fresh Ray actor"] = probe_ray_actor()
+            reports["fresh Ray actor"] = progress.run(
+                "starting a local Ray and a fresh actor that only imports verl (10 s to a few minutes)",
+                probe_ray_actor,
+            )
         except Exception as error:  # report, do not crash the doctor
             problems.append(f"could not start a Ray actor: {type(error).__name__}: {error}")
     for where, report in reports.items():
-        reg = report["registered"]
-        print(f"  {where} (pid {report['pid']}):")
-        print(f"    policy losses:        {', '.join(reg['policy_losses']) or '-'}")
-        print(f"    advantage estimators: {', '.join(reg['advantage_estimators']) or '-'}")
-        print(f"    trainers:             {', '.join(reg['trainers']) or '-'}")
-        patches = report["patches"]
-        print(f"    patches applied:      {', '.join(patches) if patches else 'none (only public verl hooks in use)'}")
+        _print_report(where, report)
         problems.extend(_problems(report, where))
+    if broken:
+        problems.append(f"features that would refuse to start on this verl: {', '.join(broken)} (see the table)")
     if problems:
         print("PROBLEMS:")
         for problem in problems:
             print(f"  - {problem}")
         return 1
-    where = "in the launcher and in Ray workers" if check_ray else "in this process (Ray not checked)"
+    where = "here and in a fresh Ray actor" if check_ray else "in this process (Ray not checked: --fast)"
     print(f"OK: the plugin is registered {where}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from gepo_plugin.__main__ import main as cli_main
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "--fast",
+        "--no-ray",
+        dest="fast",
+        action="store_true",
+        help="skip the fresh Ray actor (seconds instead of up to minutes); checks this process only",
+    )
+    return parser
 
-    return cli_main(["doctor", *(argv if argv is not None else sys.argv[1:])])
+
+def main(argv: list[str] | None = None) -> int:
+    """``gepo-doctor`` console script."""
+    parser = add_arguments(argparse.ArgumentParser(prog="gepo-doctor", description=__doc__.split("\n\n")[0]))
+    args = parser.parse_args(argv)
+    return run(check_ray=not args.fast)

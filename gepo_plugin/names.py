@@ -2,9 +2,15 @@
 
 POLICY_LOSSES = ("gepo",)
 ADVANTAGE_ESTIMATORS = ("bnpo", "delta_l")
-TRAINERS = ("gepo_sync", "gepo_colocate_async", "gepo_separate_async")
+#: verl's V1 trainer modes (``trainer.v1.trainer_mode``).
+VERL_TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+#: verl trainer mode -> the plugin's trainer of that mode that ships GEPO's per-prompt group term.
+GEPO_TRAINER_FOR_MODE: dict[str, str] = {mode: f"gepo_{mode}" for mode in VERL_TRAINER_MODES}
+#: HeteroRL's trainer for losses other than GEPO (``hetero.enable=true``; GEPO uses ``gepo_separate_async``).
+HETERO_TRAINER = "hetero_separate_async"
+TRAINERS = (*GEPO_TRAINER_FOR_MODE.values(), HETERO_TRAINER)
 SUPPORTED_VERL = (">=0.9.1", "<0.10")
-ENTRY_POINT_MODULE = "gepo_plugin.verl_glue.plugin"
+ENTRY_POINT_MODULE = "gepo_plugin.entry_point"
 
 
 def verl_version_supported(version: str) -> bool:

@@ -1,9 +1,10 @@
 """Version-checked patches to verl (their code lives in the repository's ``patches/``).
 
 Every change to verl's behaviour beyond its public hooks is a :class:`Patch`: a name, the verl
-versions it was written for, what it fixes and why, and an ``apply`` function. :func:`apply`
-refuses (raises) on any other verl version instead of guessing, and records what it applied in
-:data:`APPLIED`, so ``python -m gepo_plugin doctor`` can say exactly what is active. Each patch is
+versions it was written for, what it fixes and why, the seam feature whose contacts it touches
+(:mod:`gepo_plugin.verl_glue.seam`), and an ``apply`` function. :func:`apply` refuses (raises) on any
+other verl version, or when a contact it needs is missing, instead of guessing, and records what it
+applied in :data:`APPLIED`, so ``python -m gepo_plugin doctor`` can say exactly what is active. Each patch is
 applied only where it is needed: ``gloo_process_group`` by the CPU backend (``VERL_PLATFORM=cpu``),
 ``separate_async_logger`` by HeteroRL runs with ``hybrid_engine=False``, ``server_identity`` by HeteroRL
 runs (``hetero.enable=true``). A plain GEPO run on GPUs applies none.
@@ -25,10 +26,13 @@ class PatchVersionError(RuntimeError):
 
 @dataclass(frozen=True)
 class Patch:
+    """A change to verl's behaviour: every private name it touches is a contact of ``feature`` in the seam."""
+
     name: str
     verl_versions: str
     reason: str
     apply: Callable[[], None]
+    feature: str
 
 
 def applied_patches() -> list[str]:
@@ -49,6 +53,9 @@ def apply(patch: Patch) -> bool:
             f"installed; refusing to patch blindly. It fixes: {patch.reason}. Check whether this verl still "
             "needs it and update patches/ (or use a supported verl)."
         )
+    from gepo_plugin.verl_glue import seam
+
+    seam.require(patch.feature)
     patch.apply()
     APPLIED.append(patch.name)
     return True

@@ -10,14 +10,13 @@ name, so the fix replaces it there too: when no backend is given and the device 
 from __future__ import annotations
 
 from gepo_plugin.patching import Patch
+from gepo_plugin.verl_glue import seam
 
 
 def _apply() -> None:
-    import verl.utils.distributed as distributed
-    import verl.workers.engine_workers as engine_workers
     from verl.utils.device import get_device_name
 
-    original = distributed.initialize_global_process_group_ray
+    original = seam.resolve("verl.utils.distributed.initialize_global_process_group_ray")
 
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
         if backend is None and get_device_name() == "cpu":
@@ -25,8 +24,8 @@ def _apply() -> None:
         return original(timeout_second=timeout_second, backend=backend)
 
     initialize_global_process_group_ray.__wrapped__ = original
-    distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
-    engine_workers.initialize_global_process_group_ray = initialize_global_process_group_ray
+    seam.replace("verl.utils.distributed.initialize_global_process_group_ray", initialize_global_process_group_ray)
+    seam.replace("verl.workers.engine_workers.initialize_global_process_group_ray", initialize_global_process_group_ray)
 
 
 PATCH = Patch(
@@ -34,4 +33,5 @@ PATCH = Patch(
     verl_versions="==0.9.1",
     reason="verl builds the process-group backend 'cpu:gloo,cpu:gloo' on the cpu device (duplicate device type)",
     apply=_apply,
+    feature="cpu_backend",
 )

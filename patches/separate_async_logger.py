@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from gepo_plugin.patching import Patch
+from gepo_plugin.verl_glue import seam
 
 
 class _FlushTolerantLogger(logging.LoggerAdapter):
@@ -21,10 +22,10 @@ class _FlushTolerantLogger(logging.LoggerAdapter):
 
 
 def _apply() -> None:
-    import verl.trainer.ppo.v1.trainer_separate_async as module
-
-    if not isinstance(module.logger, _FlushTolerantLogger):
-        module.logger = _FlushTolerantLogger(module.logger, {})
+    name = "verl.trainer.ppo.v1.trainer_separate_async.logger"
+    current = seam.resolve(name)
+    if not isinstance(current, _FlushTolerantLogger):
+        seam.replace(name, _FlushTolerantLogger(current, {}))
 
 
 PATCH = Patch(
@@ -32,4 +33,5 @@ PATCH = Patch(
     verl_versions="==0.9.1",
     reason="separate_async with hybrid_engine=False calls logger.info(..., flush=True), a TypeError",
     apply=_apply,
+    feature="hybrid_engine_off",
 )

@@ -16,6 +16,7 @@ import contextvars
 import functools
 
 from gepo_plugin.patching import Patch
+from gepo_plugin.verl_glue import seam
 
 #: TokenOutput.extra_fields key with the generating server's address.
 SERVER_ID = "server_id"
@@ -39,10 +40,12 @@ def _tagging(generate):
     return wrapper
 
 
-def _apply() -> None:
-    from verl.workers.rollout import llm_server
+_CLIENT = "verl.workers.rollout.llm_server.LLMServerClient"
+_ASYNC_CLIENT = "verl.workers.rollout.llm_server.FullyAsyncLLMServerClient"
 
-    acquire = llm_server.LLMServerClient._acquire_server
+
+def _apply() -> None:
+    acquire = seam.resolve(f"{_CLIENT}._acquire_server")
 
     @functools.wraps(acquire)
     async def _acquire_server(self, *args, **kwargs):
@@ -50,10 +53,9 @@ def _apply() -> None:
         _LAST_SERVER.set(server_id)
         return server_id, server
 
-    _acquire_server.__wrapped__ = acquire
-    llm_server.LLMServerClient._acquire_server = _acquire_server
-    llm_server.LLMServerClient.generate = _tagging(llm_server.LLMServerClient.generate)
-    llm_server.FullyAsyncLLMServerClient.generate = _tagging(llm_server.FullyAsyncLLMServerClient.generate)
+    seam.replace(f"{_CLIENT}._acquire_server", _acquire_server)
+    for client in (_CLIENT, _ASYNC_CLIENT):
+        seam.replace(f"{client}.generate", _tagging(seam.resolve(f"{client}.generate")))
 
 
 PATCH = Patch(
@@ -61,4 +63,5 @@ PATCH = Patch(
     verl_versions="==0.9.1",
     reason="rollout outputs do not say which server generated them (needed for per-sampler-group throughput)",
     apply=_apply,
+    feature="server_identity",
 )

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from gepo_plugin.main_ppo import prepare_config
+from gepo_plugin.launch import settled_config
 from gepo_plugin.verl_glue.presets import PRESETS, UnknownLossError, explicit_override_keys
 from gepo_plugin.verl_glue.validation import PluginConfigError
 
@@ -21,11 +19,7 @@ MICRO = [
 
 
 def composed(*overrides):
-    overrides = [*MICRO, *overrides]
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="gepo_plugin.config", version_base=None):
-        config = compose(config_name="gepo_trainer", overrides=overrides)
-    return prepare_config(config, overrides)
+    return settled_config([*MICRO, *overrides])
 
 
 def verl_validate(config):
@@ -50,8 +44,9 @@ def test_every_family_member_composes_and_passes_verls_validation(name):
 
 
 def test_gepo_preset_selects_the_group_term_trainer_for_each_mode():
+    standalone = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2"]
     for mode in ("sync", "colocate_async", "separate_async"):
-        config = composed("algorithm.loss=gepo", f"trainer.v1.trainer_mode={mode}")
+        config = composed("algorithm.loss=gepo", f"trainer.v1.trainer_mode={mode}", *standalone)
         assert config.trainer.v1.trainer_mode == f"gepo_{mode}"
     assert composed("algorithm.loss=gspo").trainer.v1.trainer_mode == "sync"
 
@@ -106,7 +101,7 @@ def test_gepo_without_the_group_term_trainer_fails_at_start_up():
     "override,match",
     [
         ("actor_rollout_ref.rollout.n=1", "rollout.n >= 2"),
-        ("actor_rollout_ref.actor.clip_ratio_low=-0.1", "clip_ratio_low must be >= 0"),
+        ("actor_rollout_ref.actor.clip_ratio_low=-0.1", "clip_ratio_low=-0.1: must be >= 0"),
         ("actor_rollout_ref.actor.clip_ratio_low=1.5", "must be < 1"),
         ("actor_rollout_ref.actor.policy_loss.sampler_kl_coef=-1", "sampler_kl_coef"),
         ("actor_rollout_ref.actor.policy_loss.group_scope=group", "group_scope"),
@@ -125,7 +120,7 @@ def test_bad_bnpo_and_delta_l_options_are_rejected():
 
 
 def test_policy_loss_dataclass_rejects_a_bad_group_scope_too():
-    """Users of verl's own main_ppo skip prepare_config: the dataclass still refuses nonsense."""
+    """Users of verl's own main_ppo skip the launcher: the dataclass still refuses nonsense."""
     from verl.utils.config import omega_conf_to_dataclass
 
     config = composed("algorithm.loss=gspo")

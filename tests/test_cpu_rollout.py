@@ -124,7 +124,7 @@ def replica(cluster, trainer, models: dict[str, Path]) -> HFReplica:
         checkpoint_engine=CheckpointEngineConfig(
             backend="ray_mailbox",
             update_weights_bucket_megabytes=1,
-            custom_backend_module="gepo_plugin.cpu_backend.hf_rollout",
+            custom_backend_module="gepo_plugin.cpu_backend.rollout_registration",
         ),
     )
     replica = HFReplica(

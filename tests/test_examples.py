@@ -1,5 +1,6 @@
 """examples/: the launch scripts parse and their commands resolve with the plugin's real config; the data
-preparation writes what verl's loader reads; the math-verify reward scores boxed answers.
+preparation writes what verl's loader reads; verl loads the math-verify reward the launch scripts name (the
+reward's own cases are in test_math_reward.py).
 
 The GPU runs themselves cannot happen here (no GPUs): what is checked is that every script is valid bash,
 that its printed ``python -m gepo_plugin.main_ppo`` command composes with Hydra (``--cfg job``, the real CLI)
@@ -14,7 +15,6 @@ import os
 import shlex
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -234,15 +234,9 @@ def test_delay_can_be_switched_off(tmp_path):
 
 
 def compose_and_prepare(overrides: list[str]):
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    from gepo_plugin.launch import settled_config
 
-    from gepo_plugin.main_ppo import prepare_config
-
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="gepo_plugin.config", version_base=None):
-        config = compose(config_name="gepo_trainer", overrides=overrides)
-    return prepare_config(config, overrides)
+    return settled_config(overrides)
 
 
 def check_intent(config, expect: dict, *, prepared: bool) -> None:
@@ -254,7 +248,7 @@ def check_intent(config, expect: dict, *, prepared: bool) -> None:
 
     mode = expect["mode"]
     assert get("algorithm.loss") == "gepo"
-    # prepare_config maps verl's mode to the plugin's trainer with GEPO's per-prompt group term
+    # the launcher maps verl's mode to the plugin's trainer with GEPO's per-prompt group term
     assert get("trainer.v1.trainer_mode") == (f"gepo_{mode}" if prepared else mode)
     assert (get("trainer.nnodes"), get("trainer.n_gpus_per_node")) == expect["learner"]
     assert get("hetero.enable") is expect["hetero"]
@@ -264,7 +258,7 @@ def check_intent(config, expect: dict, *, prepared: bool) -> None:
     assert get("reward.custom_reward_function.path") == REWARD_PATH
     assert get("reward.custom_reward_function.name") == "compute_score"
     assert get("reward.reward_model.enable") is False
-    # paper settings (shared/notes/gepo-method.md)
+    # the paper's settings (arXiv 2508.17850)
     assert get("data.train_batch_size") == 32 and get("actor_rollout_ref.rollout.n") == 8
     assert (get("data.max_prompt_length"), get("data.max_response_length")) == (768, 2048)
     assert get("actor_rollout_ref.actor.optim.lr") == 1e-6
@@ -408,60 +402,9 @@ def test_prepare_math_on_a_local_jsonl(tmp_path):
 # ---------------------------------------------------------------- reward
 
 
-@pytest.fixture(scope="module")
-def reward():
+def test_verl_loads_the_reward_from_the_launch_config(overrides_by_script):
+    """The launch config's reward path resolves with verl's loader (the reward's own cases: test_math_reward.py)."""
     pytest.importorskip("math_verify")
-    from gepo_plugin.rewards import math_verify_reward
-
-    return math_verify_reward
-
-
-@pytest.mark.parametrize(
-    ("response", "truth", "score", "boxed"),
-    [
-        ("so the answer is \\boxed{4}.", "4", 1.0, 1.0),
-        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0, 1.0),  # equivalent forms, nested braces
-        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0, 1.0),
-        ("\\boxed{\\dfrac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", 1.0, 1.0),
-        ("\\boxed{1 + x^2}", "x^2+1", 1.0, 1.0),
-        ("first \\boxed{3}, finally \\boxed{5}", "5", 1.0, 1.0),  # only the last box counts
-        ("first \\boxed{5}, finally \\boxed{3}", "5", 0.0, 1.0),
-        ("\\boxed{5}", "4", 0.0, 1.0),  # wrong
-        ("the answer is 4", "4", 0.0, 0.0),  # no box
-        ("truncated \\boxed{\\frac{1}{", "0.5", 0.0, 0.0),  # unclosed last box
-        ("", "4", 0.0, 0.0),
-        ("\\boxed{\\{1, 2\\}}", "\\{1,2\\}", 1.0, 1.0),  # escaped braces are not nesting
-        ("\\boxed{5}", "Hence \\boxed{5}.", 1.0, 1.0),  # ground truth given as a boxed solution
-        ("\\boxed{5}", ["4", "5"], 1.0, 1.0),  # several accepted answers
-    ],
-)
-def test_math_reward_scores(reward, response, truth, score, boxed):
-    result = reward.compute_score("math", response, truth, extra_info={"split": "test", "index": 0})
-    assert result == {"score": score, "acc": score, "has_boxed": boxed}
-
-
-def test_last_boxed_handles_nesting(reward):
-    assert reward.last_boxed("x \\boxed{\\frac{a}{\\sqrt{b^{2}}}} y") == "\\frac{a}{\\sqrt{b^{2}}}"
-    assert reward.last_boxed("\\fbox{7}") == "7"
-    assert reward.last_boxed("\\boxed 9") == "9"
-    assert reward.last_boxed("no box") is None
-
-
-def test_math_reward_off_the_main_thread(reward):
-    # verl's reward managers call a synchronous reward function from a thread pool, where math-verify's
-    # signal-based timeouts cannot run: the check then goes through a process pool
-    results = []
-    worker = threading.Thread(
-        target=lambda: results.extend(
-            [reward.compute_score("m", "\\boxed{\\frac{1}{2}}", "0.5"), reward.compute_score("m", "\\boxed{2}", "0.5")]
-        )
-    )
-    worker.start()
-    worker.join(timeout=120)
-    assert [result["score"] for result in results] == [1.0, 0.0]
-
-
-def test_verl_loads_the_reward_from_the_launch_config(reward, overrides_by_script):
     from verl.trainer.ppo.reward import get_custom_reward_fn
 
     config = compose_and_prepare(overrides_by_script["hetero/run_qwen3_1.7b_gepo_math.sh"])
@@ -473,14 +416,16 @@ def test_verl_loads_the_reward_from_the_launch_config(reward, overrides_by_scrip
 
 
 @pytest.mark.parametrize("name", CFG_JOB_SCRIPTS)
-def test_launch_command_resolves_with_the_cli(name, cfg_jobs):
-    """Hydra's ``--cfg job`` prints the composed config and stops: the plugin's preset and validation run
-    only in the task function, so this checks the raw composition (``prepared=False``)."""
+def test_launch_command_resolves_with_the_cli(name, cfg_jobs, overrides_by_script):
+    """``--cfg job`` prints the config that runs: the preset, the HeteroRL wiring and every check are settled
+    before Hydra prints, so the printout carries the prepared settings and equals the launcher's settled config."""
     results = cfg_jobs()
     code, text = results[name]
     assert code == 0, results["stderr"][1][-4000:]
-    config = yaml.safe_load(text)
-    check_intent(config, LAUNCHES[name][1], prepared=False)
+    printed = yaml.safe_load(text)
+    check_intent(printed, LAUNCHES[name][1], prepared=True)
+    settled = OmegaConf.to_container(compose_and_prepare(overrides_by_script[name]), resolve=False)
+    assert printed == settled
 
 
 def test_lab_sensitivity_sweep_runs_valid_lab_commands_one_change_each():

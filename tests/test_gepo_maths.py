@@ -105,7 +105,7 @@ def test_long_sequences_stay_finite_in_log_space():
     log_eq = group_log_expectation_from_tokens(old, mask, ["g", "g"])
     torch.testing.assert_close(log_eq, torch.full((2,), -5.0))
     terms = gepo_token_losses(old + 0.01, old, torch.ones(2, width), mask, log_eq)
-    torch.testing.assert_close(terms.metrics["iw_mean"], torch.tensor(math.exp(0.01)))
+    assert float(terms.metrics["iw_mean"]) == pytest.approx(math.exp(0.01), rel=1e-5)  # float32 inputs
 
 
 def test_low_precision_inputs_accumulate_in_fp32():
@@ -145,6 +145,37 @@ def test_weight_metrics_match_numpy():
     assert float(terms.metrics["iw_std"]) == pytest.approx(w.std())
     assert float(terms.metrics["iw_max"]) == pytest.approx(w.max())
     assert float(terms.metrics["ess"]) == pytest.approx(w.sum() ** 2 / (len(w) * (w**2).sum()))
+    assert float(terms.metrics["log_ratio_cap_frac"]) == 0.0
+    assert float(terms.metrics["log_iw_max"]) == pytest.approx(np.log(w).max())
+
+
+@pytest.mark.parametrize("shift", [30.0, 500.0, 1e5])
+def test_a_binding_cap_keeps_every_weight_statistic_finite_and_says_so(shift):
+    """Raw weights far beyond float range: the loss uses exp(min(log w, cap)); its statistics stay finite and
+    equal numpy's on the capped weights, and the share of sequences whose weight the cap replaced is reported."""
+    b = make_batch(seed=3, spread=0.3)
+    log_eq = group_log_expectation_from_tokens(b.old_log_prob, b.mask, b.group_ids)
+    lifted = b.log_prob.clone()
+    lifted[:3] += shift  # three sequences with astronomically large raw weights
+    cap = 10.0
+    terms = gepo_token_losses(lifted, b.old_log_prob, b.advantages, b.mask, log_eq, log_ratio_cap=cap)
+    raw = sequence_log_prob(lifted.double(), b.mask).numpy() - log_eq.double().numpy()
+    w = np.exp(np.minimum(raw, cap))
+    for key, value in terms.metrics.items():
+        assert math.isfinite(float(value)), key
+    assert float(terms.metrics["iw_mean"]) == pytest.approx(w.mean())
+    assert float(terms.metrics["iw_std"]) == pytest.approx(w.std())
+    assert float(terms.metrics["iw_max"]) == pytest.approx(math.exp(cap))
+    assert float(terms.metrics["ess"]) == pytest.approx(w.sum() ** 2 / (len(w) * (w**2).sum()))
+    assert float(terms.metrics["log_ratio_cap_frac"]) == pytest.approx(np.mean(raw > cap)) and np.mean(raw > cap) > 0
+    assert float(terms.metrics["log_iw_max"]) == pytest.approx(raw.max())
+    assert torch.isfinite(terms.token_losses).all()
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("nan"), float("inf"), 81.0])
+def test_log_ratio_caps_outside_the_finite_range_are_rejected(batch, cap):
+    with pytest.raises(GEPOInputError, match="log_ratio_cap"):
+        gepo_token_losses(**_args(batch), log_ratio_cap=cap)
 
 
 # ---- bad input -------------------------------------------------------------------------------
@@ -198,7 +229,7 @@ def test_mismatched_shapes_are_rejected(batch):
         gepo_token_losses(**args)
 
 
-@pytest.mark.parametrize("low,high", [(-0.1, 0.2), (0.2, -0.1), (1.0, 0.2)])
+@pytest.mark.parametrize("low,high", [(-0.1, 0.2), (0.2, -0.1), (1.0, 0.2), (float("nan"), 0.2), (0.2, float("inf"))])
 def test_impossible_clip_ranges_are_rejected(batch, low, high):
     with pytest.raises(GEPOInputError, match="clip"):
         gepo_token_losses(**_args(batch), clip_ratio_low=low, clip_ratio_high=high)

@@ -9,6 +9,11 @@ Each output row has verl's columns::
     reward_model  {"style": "rule", "ground_truth": <answer>}
     extra_info    {"split": <split name>, "index": <row number>, ...}
 
+A reference solution's ground truth is its last ``\\boxed{...}`` (or ``\\fbox{...}``), taken by
+``gepo_plugin.rewards.boxed.last_boxed``: the function the math-verify reward uses on the model's responses,
+so a response that boxes the reference answer the way the reference did matches it (that module needs
+neither math-verify nor verl).
+
 Sources: a Hugging Face dataset (``--dataset``, loaded with ``datasets.load_dataset``; the default
 is the set the paper's reference code trained on, SimpleRL-Zoo's MATH level 3-5 questions) or a
 local JSON / JSONL / parquet file (``--input``; works offline). Examples::
@@ -31,34 +36,16 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+try:
+    from gepo_plugin.rewards.boxed import last_boxed
+except ImportError:  # run from a checkout without `pip install -e .`: the package is two levels up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from gepo_plugin.rewards.boxed import last_boxed
+
 DEFAULT_DATASET = "hkust-nlp/SimpleRL-Zoo-Data"
 DEFAULT_DATA_FILES = "simplelr_qwen_level3to5/train.parquet"
 DEFAULT_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` of ``text`` (nested braces handled), None if there is none."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    index = text.find("{", start)
-    if index < 0:
-        return None
-    depth, begin = 0, index + 1
-    while index < len(text):
-        char = text[index]
-        if char == "\\":
-            index += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[begin:index].strip()
-        index += 1
-    return None
 
 
 def read_local(path: Path) -> list[dict[str, Any]]:
@@ -194,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--extract-boxed",
         choices=["auto", "always", "never"],
         default="auto",
-        help="take the last \\boxed{...} of the answer field as the ground truth: auto = when there is one "
+        help="take the last \\boxed{...} (or \\fbox{...}) of the answer field as the ground truth, parsed as "
+        "the reward parses responses: auto = when there is one "
         "(e.g. --answer-key solution of the MATH dataset), always = fail on rows without, never = keep as is",
     )
     fields.add_argument(

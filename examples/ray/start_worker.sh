@@ -7,7 +7,9 @@
 #
 # Environment variables (defaults in brackets):
 #   RAY_HEAD_ADDRESS (required) <head ip>:<port>, e.g. 10.0.0.1:6379
-#   NODE_IP [first address of `hostname -I`]  NUM_GPUS [number of GPUs nvidia-smi lists]  RAY_NUM_CPUS [unset]
+#   NODE_IP [first address of `hostname -I`]  RAY_NUM_CPUS [unset: Ray detects]
+#   NUM_GPUS [the number of GPUs `nvidia-smi -L` lists; printed to stderr]: without nvidia-smi, or when it fails or
+#     lists none, the script stops and asks for NUM_GPUS (NUM_GPUS=0 for a node without GPUs)
 #   NODE_ROLE [sampler]: informational Ray node label gepo-role=<role>, empty = no label
 #   RAY_BLOCK [0]: 1 = keep `ray start` in the foreground (what Slurm's srun needs)
 #   RAY_EXTRA_ARGS []: more `ray start` arguments
@@ -26,7 +28,30 @@ if [[ -z "${RAY_HEAD_ADDRESS:-}" ]]; then
 fi
 NODE_IP="${NODE_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}"
 NODE_IP="${NODE_IP:-127.0.0.1}"
-NUM_GPUS="${NUM_GPUS:-$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)}"
+# GPUs given to Ray: NUM_GPUS, else what nvidia-smi lists. No silent 0: a node where the count cannot be
+# detected (no nvidia-smi, or it fails or lists none) is an error unless NUM_GPUS says so (NUM_GPUS=0 is fine).
+if [[ -z "${NUM_GPUS:-}" ]]; then
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "start_worker.sh: nvidia-smi is not on PATH, so the GPU count cannot be detected: set NUM_GPUS" \
+      "(NUM_GPUS=0 for a node without GPUs)" >&2
+    exit 2
+  fi
+  if ! gpu_list="$(nvidia-smi -L 2>&1)"; then
+    echo "start_worker.sh: \`nvidia-smi -L\` failed (${gpu_list:-no output}): set NUM_GPUS (NUM_GPUS=0 for no GPUs)" >&2
+    exit 2
+  fi
+  NUM_GPUS="$(grep -c '^GPU' <<<"$gpu_list" || true)"
+  if ((NUM_GPUS == 0)); then
+    echo "start_worker.sh: nvidia-smi lists no GPUs: set NUM_GPUS (NUM_GPUS=0 to start without GPUs)" >&2
+    exit 2
+  fi
+  echo "start_worker.sh: detected $NUM_GPUS GPUs with nvidia-smi" >&2
+elif [[ ! "$NUM_GPUS" =~ ^[0-9]+$ ]]; then
+  echo "start_worker.sh: NUM_GPUS=$NUM_GPUS is not a whole number" >&2
+  exit 2
+else
+  echo "start_worker.sh: using NUM_GPUS=$NUM_GPUS GPUs" >&2
+fi
 NODE_ROLE="${NODE_ROLE-sampler}"
 RAY_BLOCK="${RAY_BLOCK:-0}"
 

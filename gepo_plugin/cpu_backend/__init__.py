@@ -1,7 +1,19 @@
 """CPU backend for running verl's real trainer without a GPU (a debugging/CI backend).
 
-Modules are imported on demand: ``hf_rollout`` (a transformers rollout server behind verl's rollout
-interface), ``ray_mailbox_engine`` (a checkpoint engine for standalone rollout replicas),
-``platform`` and ``activate``. Nothing heavy is imported here, so ``import gepo_plugin`` stays cheap
-on GPU hosts.
+Modules are imported on demand: ``activate`` (what a CPU process registers, and a CPU run's settings),
+``platform`` (the ``cpu`` platform), ``rollout_registration`` plus ``hf_rollout`` (a transformers rollout server
+behind verl's rollout interface) and ``ray_mailbox_engine`` (a checkpoint engine for standalone rollout
+replicas). Nothing heavy is imported here, so ``import gepo_plugin`` stays cheap on GPU hosts.
 """
+
+import os
+
+#: verl platform name of the backend (``VERL_PLATFORM=cpu`` selects it in a process).
+CPU_PLATFORM = "cpu"
+#: ``actor_rollout_ref.rollout.name`` of the transformers rollout.
+ROLLOUT_NAME = "hf"
+
+
+def cpu_platform_selected() -> bool:
+    """Is the cpu platform requested for this process (``VERL_PLATFORM=cpu``)?"""
+    return os.environ.get("VERL_PLATFORM", "").strip().lower() == CPU_PLATFORM

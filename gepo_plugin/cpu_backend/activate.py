@@ -1,66 +1,96 @@
-"""Switch a process to the CPU backend (only when ``VERL_PLATFORM=cpu``) and prepare a cpu run.
+"""Switch a process to the CPU backend (only when ``VERL_PLATFORM=cpu``) and derive a CPU run's settings.
 
 Two entry points:
 
-* :func:`activate_cpu_backend` runs in every verl process (from the plugin's entry point) when the
-  cpu platform is selected: it registers verl's own FSDP engines for the cpu device (public
-  ``EngineRegistry``), the transformers rollout (``RolloutReplicaRegistry``), the Ray-mailbox
-  checkpoint engine (``CheckpointEngineRegistry``), and applies the version-checked patches.
-* :func:`prepare_cpu_run` runs in the launcher when ``trainer.device=cpu``: it selects the
-  platform here and in every Ray process, and fills in the settings a CPU run needs (each one
-  only if the user did not set it).
+* :func:`install` runs in every verl process where the cpu platform is selected (the plugin's entry point calls
+  :func:`install_if_selected`; the launcher calls :func:`install` after it selects the platform). It registers
+  the ``cpu`` platform and then, as each of verl's registries is imported, verl's own FSDP engines for the cpu
+  device (public ``EngineRegistry``), the transformers rollout (``RolloutReplicaRegistry``), the Ray-mailbox
+  checkpoint engine (``CheckpointEngineRegistry``) and the version-checked gloo patch. Nothing is imported
+  before verl imports it itself, so a process pays only for what it uses.
+* :func:`cpu_run_settings` is what a ``trainer.device=cpu`` run needs in the config; the launcher fills each one
+  in only where the user set nothing.
 
-Without ``VERL_PLATFORM=cpu`` neither does anything: GPU hosts see no change.
+Without ``VERL_PLATFORM=cpu`` nothing here runs: GPU hosts see no change.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
 from omegaconf import DictConfig, OmegaConf
 
-from gepo_plugin.cpu_backend.platform import CPU_PLATFORM, cpu_platform_selected
+from gepo_plugin.cpu_backend import CPU_PLATFORM, ROLLOUT_NAME, cpu_platform_selected
+from gepo_plugin.verl_glue import seam
+from gepo_plugin.verl_glue.registration import on_import, run_recorded
 
-logger = logging.getLogger("gepo_plugin")
-
-#: Patch modules under ``patches/`` (installed as ``gepo_plugin.patches``), applied in this order.
-PATCH_MODULES = ("gloo_process_group",)
-
-ROLLOUT_NAME = "hf"
 SEPARATE_CHECKPOINT_ENGINE = "ray_mailbox"
+
+_INSTALLED: list[bool] = []
+
+
+def _register_platform() -> None:
+    import gepo_plugin.cpu_backend.platform  # noqa: F401  (its class decorator registers the platform)
 
 
 def _register_engines() -> None:
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
+    engines = seam.resolve("verl.workers.engine.base.EngineRegistry._engines")
     for model_type, engine in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
-        registered = EngineRegistry._engines.get(model_type, {})
+        registered = engines.get(model_type, {})
         if all("cpu" in registered.get(backend, {}) for backend in ("fsdp", "fsdp2")):
             continue
         EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
 
 
-def activate_cpu_backend() -> bool:
-    """Register the CPU engines, rollout and checkpoint engine and apply the patches (idempotent)."""
-    if not cpu_platform_selected():
-        return False
+def _apply_gloo_patch() -> None:
     from gepo_plugin.patching import apply_named
 
-    _register_engines()
-    for name in PATCH_MODULES:
-        apply_named(name)
-    from gepo_plugin.cpu_backend.hf_rollout import register_hf_rollout
-    from gepo_plugin.cpu_backend.ray_mailbox_engine import register_ray_mailbox_engine
+    apply_named("gloo_process_group")
 
-    register_hf_rollout(ROLLOUT_NAME)
-    register_ray_mailbox_engine()
+
+#: verl module -> (what to register once verl imports it, the step's name for errors).
+HOOKS = (
+    ("verl.plugin.platform", _register_platform, "register the cpu platform"),
+    ("verl.workers.engine", _register_engines, "register verl's FSDP engines for the cpu device"),
+    ("verl.workers.engine_workers", _apply_gloo_patch, "apply the gloo process-group patch"),
+)
+
+
+def install() -> bool:
+    """Register the cpu platform and arrange the CPU registrations as verl's registries load (idempotent)."""
+    if _INSTALLED:
+        return False
+    _INSTALLED.append(True)
+    for module, action, step in HOOKS:
+        on_import(module, lambda _module, action=action, step=step: run_recorded(step, action))
+    from gepo_plugin.cpu_backend import rollout_registration
+
+    rollout_registration.install()
     return True
 
 
+def install_if_selected() -> bool:
+    """:func:`install` when this process runs with ``VERL_PLATFORM=cpu`` (the entry point's call)."""
+    return install() if cpu_platform_selected() else False
+
+
+def select_cpu_platform() -> None:
+    """Select the cpu platform in this process (the launcher of a ``trainer.device=cpu`` run)."""
+    import os
+
+    from verl.plugin.platform import set_platform
+
+    os.environ["VERL_PLATFORM"] = CPU_PLATFORM
+    install()
+    from gepo_plugin.cpu_backend.platform import PlatformCPU
+
+    set_platform(PlatformCPU())
+
+
 def cpu_run_settings(config: DictConfig) -> dict[str, object]:
-    """The verl settings a CPU run needs, derived from the config (applied where the user is silent)."""
+    """The verl settings a CPU run needs, derived from the config (the launcher applies them where the user is
+    silent)."""
     mode = str(OmegaConf.select(config, "trainer.v1.trainer_mode", default="sync"))
     separate = mode.endswith("separate_async")
     trainer_gpus = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
@@ -68,7 +98,7 @@ def cpu_run_settings(config: DictConfig) -> dict[str, object]:
     if separate:
         rollout = config.actor_rollout_ref.rollout
         rollout_gpus = int(rollout.get("nnodes", 1) or 1) * int(rollout.get("n_gpus_per_node", 1) or 1)
-    settings: dict[str, object] = {
+    return {
         "actor_rollout_ref.actor.strategy": "fsdp2",
         "actor_rollout_ref.ref.strategy": "fsdp2",
         "critic.strategy": "fsdp2",
@@ -88,23 +118,3 @@ def cpu_run_settings(config: DictConfig) -> dict[str, object]:
         "ray_kwargs.ray_init.runtime_env.env_vars.TOKENIZERS_PARALLELISM": "false",
         "ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS": "1",
     }
-    return settings
-
-
-def prepare_cpu_run(config: DictConfig, explicit: set[str]) -> bool:
-    """If ``trainer.device=cpu``: select the cpu platform everywhere and fill in CPU settings."""
-    if str(OmegaConf.select(config, "trainer.device", default="cuda")) != CPU_PLATFORM:
-        return False
-    from verl.plugin.platform import set_platform
-
-    from gepo_plugin.cpu_backend.platform import PlatformCPU
-    from gepo_plugin.verl_glue.presets import apply_settings
-
-    os.environ["VERL_PLATFORM"] = CPU_PLATFORM
-    set_platform(PlatformCPU())
-    activate_cpu_backend()
-    apply_settings(config, cpu_run_settings(config), explicit)
-    logger.warning(
-        "trainer.device=cpu: running verl on the CPU backend (a debugging/CI backend, not for real training)"
-    )
-    return True

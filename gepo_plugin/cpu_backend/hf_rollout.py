@@ -18,8 +18,7 @@ the V1 trainers) works unchanged:
   such as :mod:`gepo_plugin.cpu_backend.ray_mailbox_engine`).
 * :class:`HFServerAdapter` -- the ``BaseRollout`` used inside the training / checkpoint-engine
   worker process to resume, release and update the server's weights.
-* :func:`register_hf_rollout` -- registers the replica (public ``RolloutReplicaRegistry``) and the
-  adapter (verl's private ``_ROLLOUT_REGISTRY``).
+Registration with verl's registries is :mod:`gepo_plugin.cpu_backend.rollout_registration`'s job.
 
 Log-probabilities follow vLLM's ``logprobs_mode`` (verl's default ``processed_logprobs``): the
 log-softmax of the distribution the sampler actually drew from, i.e. after repetition penalty,
@@ -40,47 +39,13 @@ from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-#: What verl's ``get_rollout_class`` imports for ``(name, "async")``.
-ADAPTER_PATH = f"{__name__}.HFServerAdapter"
-
-
-def _load_hf_replica() -> type:
-    """Loader for ``RolloutReplicaRegistry`` (resolved when verl builds replicas)."""
-    return HFReplica
-
-
-def register_hf_rollout(name: str = "hf") -> None:
-    """Make ``actor_rollout_ref.rollout.name=<name>`` select this backend in this process (idempotent).
-
-    verl looks the replica up in the driver/TaskRunner (``RolloutReplicaRegistry``, public) and the
-    adapter in every training and checkpoint-engine worker (``_ROLLOUT_REGISTRY``, private, a dict of
-    fully-qualified class paths), so this must run in all of them before verl builds rollouts.
-    Refuses to take over a name that another backend (e.g. ``vllm``) already holds.
-
-    Defined before this module imports verl: importing verl loads verl's plugins, and a plugin may
-    import this module and call this function while the module is still initialising.
-    """
-    from verl.workers.rollout import base as rollout_base
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
-
-    key = (name, "async")
-    current_adapter = rollout_base._ROLLOUT_REGISTRY.get(key)
-    current_loader = RolloutReplicaRegistry._registry.get(name)
-    ours = (_load_hf_replica.__module__, _load_hf_replica.__qualname__)
-    theirs = None if current_loader is None else (current_loader.__module__, current_loader.__qualname__)
-    if current_adapter not in (None, ADAPTER_PATH) or theirs not in (None, ours):
-        raise ValueError(f"rollout name {name!r} is already registered to another backend ({current_adapter})")
-    RolloutReplicaRegistry.register(name, _load_hf_replica)
-    rollout_base._ROLLOUT_REGISTRY[key] = ADAPTER_PATH
-
-
-import ray  # noqa: E402  (see register_hf_rollout: verl must be imported after it is defined)
-import torch  # noqa: E402
-from ray.actor import ActorHandle  # noqa: E402
-from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
-from verl.workers.config import HFModelConfig, RolloutConfig  # noqa: E402
-from verl.workers.rollout.base import BaseRollout  # noqa: E402
-from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput  # noqa: E402
+import ray
+import torch
+from ray.actor import ActorHandle
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import HFModelConfig, RolloutConfig
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -1064,19 +1029,3 @@ class HFServerAdapter(BaseRollout):
     def generate_sequences(self, prompts: Any) -> Any:
         """Synchronous batch generation is not offered (verl's V1 path generates through the server)."""
         raise NotImplementedError("use the rollout server (HFReplica / LLMServerClient) to generate")
-
-
-def _register_defaults() -> None:
-    """Register the rollout under its default name and the ``ray_mailbox`` engine that feeds standalone replicas.
-
-    Run on import, so verl's own import hooks are enough to enable both in a process:
-    ``actor_rollout_ref.model.external_lib`` (training workers) and
-    ``actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module`` (checkpoint-engine workers).
-    """
-    from gepo_plugin.cpu_backend.ray_mailbox_engine import register_ray_mailbox_engine
-
-    register_hf_rollout()
-    register_ray_mailbox_engine()
-
-
-_register_defaults()

@@ -12,7 +12,6 @@ is a facade that answers every such call sensibly for host memory.
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
-CPU_PLATFORM = "cpu"
+from gepo_plugin.cpu_backend import CPU_PLATFORM, cpu_platform_selected
 
 
 class _CPUDeviceModule(ModuleType):
@@ -136,7 +135,7 @@ class PlatformCPU(PlatformBase):
 
     def is_platform_available(self, use_smi_check: bool = False) -> bool:
         # Never auto-detected: selected only with VERL_PLATFORM=cpu.
-        return os.environ.get("VERL_PLATFORM", "").strip().lower() == CPU_PLATFORM
+        return cpu_platform_selected()
 
     def current_device(self) -> str:  # type: ignore[override]
         return "cpu"
@@ -203,8 +202,3 @@ class PlatformCPU(PlatformBase):
 
     def cudart(self) -> Any:
         return None
-
-
-def cpu_platform_selected() -> bool:
-    """Is the cpu platform requested for this process (``VERL_PLATFORM=cpu``)?"""
-    return os.environ.get("VERL_PLATFORM", "").strip().lower() == CPU_PLATFORM

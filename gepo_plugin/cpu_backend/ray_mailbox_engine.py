@@ -25,42 +25,25 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any
 
-BACKEND = "ray_mailbox"
-
-
-def register_ray_mailbox_engine() -> None:
-    """Register ``checkpoint_engine.backend=ray_mailbox`` with verl in this process (idempotent).
-
-    Refuses to replace a different engine registered under the same name. Defined before this module
-    imports verl: importing verl loads verl's plugins, which may call this while the module is still
-    initialising; it then does nothing, and the module registers itself once it is complete.
-    """
-    engine = globals().get("RayMailboxCheckpointEngine")
-    if engine is None:
-        return
-    from verl.checkpoint_engine.base import CheckpointEngineRegistry
-
-    current = CheckpointEngineRegistry._registry.get(BACKEND)
-    ours = (engine.__module__, engine.__qualname__)
-    if current is not None and (current.__module__, current.__qualname__) != ours:
-        raise ValueError(f"checkpoint engine {BACKEND!r} is already registered to {current}")
-    CheckpointEngineRegistry.register(BACKEND)(engine)
-
-
-import numpy as np  # noqa: E402  (see register_ray_mailbox_engine: verl must be imported after it)
-import ray  # noqa: E402
-import torch  # noqa: E402
-from ray.actor import ActorHandle  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from verl.checkpoint_engine.base import (  # noqa: E402
+import numpy as np
+import ray
+import torch
+from ray.actor import ActorHandle
+from torch.distributed.tensor import DTensor
+from verl.checkpoint_engine.base import (
     CheckpointEngine,
+    CheckpointEngineRegistry,
     TensorMeta,
     merge_weight_chunks,
     split_weight_chunks,
 )
-from verl.workers.rollout.utils import ensure_async_iterator  # noqa: E402
+from verl.workers.rollout.utils import ensure_async_iterator
+
+from gepo_plugin.verl_glue import seam
 
 logger = logging.getLogger(__name__)
+
+BACKEND = "ray_mailbox"
 
 MAILBOX_PREFIX = "gepo_ray_mailbox"
 #: Byte alignment of tensors inside a bucket.
@@ -332,6 +315,17 @@ class RayMailboxCheckpointEngine(CheckpointEngine):
             if bucket["is_last"]:
                 return
             index += 1
+
+
+def register_ray_mailbox_engine() -> None:
+    """Register ``checkpoint_engine.backend=ray_mailbox`` with verl in this process (idempotent).
+
+    Refuses to replace a different engine registered under the same name.
+    """
+    current = seam.resolve("verl.checkpoint_engine.base.CheckpointEngineRegistry._registry").get(BACKEND)
+    if current is not None and current is not RayMailboxCheckpointEngine:
+        raise ValueError(f"checkpoint engine {BACKEND!r} is already registered to {current}")
+    CheckpointEngineRegistry.register(BACKEND)(RayMailboxCheckpointEngine)
 
 
 # Importing the module registers the engine, so verl's own hook

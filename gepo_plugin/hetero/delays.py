@@ -18,14 +18,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, Field, StrictBool, model_validator
 
-DISTRIBUTIONS = ("constant", "exponential", "lognormal", "weibull", "trace")
+from gepo_plugin.options import STRICT_BLOCK, OptionsError, parse_options
 
 
-class DelayConfigError(ValueError):
+class DelayConfigError(OptionsError):
     """A delay model is specified impossibly; the message says how to fix it."""
 
 
@@ -191,32 +192,101 @@ class TraceDelay(DelayModel):
         return values[(start + np.arange(size)) % len(values)]
 
 
-def build_delay_model(spec: Mapping[str, Any]) -> DelayModel:
+#: Parameters each distribution takes (the others must stay unset).
+PARAMETERS: dict[str, frozenset[str]] = {
+    "none": frozenset(),
+    "constant": frozenset({"seconds"}),
+    "exponential": frozenset({"mean"}),
+    "lognormal": frozenset({"mu", "sigma", "low", "high", "confidence", "clip"}),
+    "weibull": frozenset({"shape", "scale", "low", "high", "confidence", "clip"}),
+    "trace": frozenset({"path", "order"}),
+}
+_NATIVE = {"lognormal": ("mu", "sigma"), "weibull": ("shape", "scale")}
+#: Fields with a default value, so "set by the user" cannot be told from None; they apply to some models only.
+_DEFAULTED = frozenset({"confidence", "clip", "order"})
+
+
+class DelayConfig(BaseModel):
+    """One weight-arrival delay model as configured (``hetero.delay`` or one ``hetero.group_delays`` entry)."""
+
+    model_config = STRICT_BLOCK
+
+    distribution: Literal["none", "constant", "exponential", "lognormal", "weibull", "trace"] = Field(
+        "none", description="none (no simulated delay) or the delay model; each takes the parameters listed below"
+    )
+    seconds: float | None = Field(None, ge=0, allow_inf_nan=False, description="constant: the delay in seconds")
+    mean: float | None = Field(None, gt=0, allow_inf_nan=False, description="exponential: mean delay in seconds")
+    mu: float | None = Field(None, allow_inf_nan=False, description="lognormal: mean of the log-delay")
+    sigma: float | None = Field(None, gt=0, allow_inf_nan=False, description="lognormal: std of the log-delay")
+    shape: float | None = Field(None, gt=0, allow_inf_nan=False, description="weibull: shape k")
+    scale: float | None = Field(None, gt=0, allow_inf_nan=False, description="weibull: scale lambda (seconds)")
+    low: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="lognormal/weibull: lower end (s) of the central interval"
+    )
+    high: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="lognormal/weibull: upper end (s) of the central interval"
+    )
+    confidence: float = Field(0.995, gt=0, lt=1, description="mass of the [low, high] interval (the paper: 0.995)")
+    clip: StrictBool = Field(True, description="clip draws to [low, high] (interval form only)")
+    path: str | None = Field(None, description="trace: file with one delay (seconds) per line")
+    order: Literal["cycle", "random"] = Field("cycle", description="trace: replay in order, or draw at random")
+
+    @model_validator(mode="after")
+    def _parameters_fit_the_distribution(self) -> DelayConfig:
+        kind = self.distribution
+        given = {
+            name
+            for name in PARAMETERS["lognormal"]
+            | PARAMETERS["weibull"]
+            | PARAMETERS["constant"]
+            | PARAMETERS["exponential"]
+            | PARAMETERS["trace"]
+            if name not in _DEFAULTED and getattr(self, name) is not None
+        }
+        stray = sorted(given - PARAMETERS[kind])
+        if stray and kind == "none":
+            raise ValueError(f"{stray} are set but distribution=none (no delay): set distribution or remove them")
+        if stray:
+            raise ValueError(f"{stray} do not apply to distribution={kind}; remove them")
+        if kind in _NATIVE:
+            native, interval = set(_NATIVE[kind]) & given, {"low", "high"} & given
+            if native and interval:
+                raise ValueError(f"give either the interval (low, high, confidence) or {list(_NATIVE[kind])}, not both")
+            needed = ("low", "high") if interval else _NATIVE[kind]
+            missing = [name for name in needed if name not in given]
+            if missing:
+                raise ValueError(f"{kind} needs {list(needed)}; missing {missing}")
+            if interval and not self.low < self.high:
+                raise ValueError(f"the interval needs low < high, got low={self.low}, high={self.high}")
+        elif kind != "none":
+            needed = sorted(PARAMETERS[kind] - _DEFAULTED)
+            missing = [name for name in needed if name not in given]
+            if missing:
+                raise ValueError(f"{kind} needs {needed}; missing {missing}")
+        if kind == "trace" and not Path(str(self.path)).is_file():
+            raise ValueError(f"trace file {self.path!r} does not exist")
+        return self
+
+    def build(self) -> DelayModel | None:
+        """The delay model (None for ``distribution=none``)."""
+        kind = self.distribution
+        if kind == "none":
+            return None
+        if kind == "constant":
+            return ConstantDelay(float(self.seconds))
+        if kind == "exponential":
+            return ExponentialDelay(float(self.mean))
+        if kind == "trace":
+            return TraceDelay.from_file(str(self.path), self.order)
+        model = LogNormalDelay if kind == "lognormal" else WeibullDelay
+        if self.low is not None:
+            return model.from_interval(self.low, self.high, self.confidence, self.clip)
+        first, second = _NATIVE[kind]
+        return model(float(getattr(self, first)), float(getattr(self, second)))
+
+
+def build_delay_model(spec: Mapping[str, Any], key: str = "delay") -> DelayModel | None:
     """A delay model from a config mapping, e.g. ``{"distribution": "lognormal", "low": 60, "high": 1920,
     "confidence": 0.995}``, ``{"distribution": "weibull", "shape": 1.5, "scale": 300}`` or
-    ``{"distribution": "trace", "path": "delays.txt"}``."""
-    spec = dict(spec)
-    kind = str(spec.pop("distribution", "")).lower()
-    if kind not in DISTRIBUTIONS:
-        raise DelayConfigError(f"unknown delay distribution {kind!r}; use one of {', '.join(DISTRIBUTIONS)}")
-    interval = {"low", "high"} & spec.keys()
-    try:
-        if kind == "constant":
-            return ConstantDelay(float(spec["seconds"]))
-        if kind == "exponential":
-            return ExponentialDelay(float(spec["mean"]))
-        if kind == "trace":
-            return TraceDelay.from_file(spec["path"], spec.get("order", "cycle"))
-        model = LogNormalDelay if kind == "lognormal" else WeibullDelay
-        if interval:
-            return model.from_interval(
-                float(spec["low"]),
-                float(spec["high"]),
-                float(spec.get("confidence", 0.995)),
-                bool(spec.get("clip", True)),
-            )
-        if kind == "lognormal":
-            return LogNormalDelay(float(spec["mu"]), float(spec["sigma"]))
-        return WeibullDelay(float(spec["shape"]), float(spec["scale"]))
-    except KeyError as missing:
-        raise DelayConfigError(f"{kind} delay is missing parameter {missing}; got {sorted(spec)}") from None
+    ``{"distribution": "trace", "path": "delays.txt"}``; errors name ``key``."""
+    return parse_options(DelayConfig, spec, key, DelayConfigError).build()

@@ -1,89 +1,152 @@
-"""The ``hetero`` config block, parsed and validated once (framework-free: plain mappings in).
+"""The ``hetero`` config block: one typed model, its defaults written once, parsed and validated once.
 
-Everything a HeteroRL run needs from the config is turned into objects here, so a typo fails at
-start-up with a message that says what to change, not after minutes of Ray start-up:
-the :class:`~gepo_plugin.hetero.staleness.StalenessPolicy`, one delay model per sampler group
-(:mod:`gepo_plugin.hetero.delays`) and the sampler-group sizes.
+:class:`HeteroConfig` is the only place a HeteroRL default is written: the Hydra node users override is built
+from it (:mod:`gepo_plugin.config`), the verl sampler and trainer and the lab read it. :func:`parse_hetero`
+turns a plain mapping into :class:`HeteroSettings` (the staleness policy, one delay model per sampler group, the
+group sizes), so a typo fails at start-up with a message that names the key, not after minutes of Ray start-up.
+Framework-free: plain mappings in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from gepo_plugin.hetero.delays import DelayConfigError, DelayModel, build_delay_model
-from gepo_plugin.hetero.staleness import StalenessConfigError, StalenessPolicy
+from pydantic import BaseModel, Field, StrictBool, StrictInt, model_validator
 
-#: ``delay.distribution`` value that switches the delay simulation off.
-NO_DELAY = "none"
+from gepo_plugin.hetero.delays import DelayConfig, DelayModel
+from gepo_plugin.hetero.staleness import (
+    DEFAULT_ADMISSION_MARGIN,
+    DEFAULT_MAX_LAG,
+    DEFAULT_REFUSE_MIXED_VERSIONS,
+    DEFAULT_STRATEGY,
+    StalenessConfigError,
+    StalenessPolicy,
+)
+from gepo_plugin.options import STRICT_BLOCK, OptionsError, parse_options
+
+#: Where the block lives in the plugin's config tree.
+HETERO_KEY = "hetero"
 
 
-class HeteroConfigError(ValueError):
+class HeteroConfigError(OptionsError):
     """An impossible ``hetero`` setting; the message names the key and how to fix it."""
 
 
-def _delay_spec(spec: Mapping[str, Any] | None, where: str) -> dict[str, Any] | None:
-    """Drop unset keys; ``None`` when the delay is switched off."""
-    if spec is None:
-        return None
-    spec = {str(k): v for k, v in dict(spec).items() if v is not None}
-    distribution = str(spec.get("distribution", NO_DELAY)).lower()
-    if distribution in (NO_DELAY, "null", ""):
-        return None
-    spec["distribution"] = distribution
-    unused_for = {
-        "constant": {"mean", "mu", "sigma", "shape", "scale", "low", "high", "path"},
-        "exponential": {"seconds", "mu", "sigma", "shape", "scale", "low", "high", "path"},
-        "lognormal": {"seconds", "mean", "shape", "scale", "path"},
-        "weibull": {"seconds", "mean", "mu", "sigma", "path"},
-        "trace": {"seconds", "mean", "mu", "sigma", "shape", "scale", "low", "high"},
-    }.get(distribution, set())
-    stray = sorted(unused_for & spec.keys())
-    if stray:
-        raise HeteroConfigError(f"{where}: {stray} do not apply to distribution={distribution}; remove them")
-    # Interval parameters exclude native ones (and vice versa): say which was meant.
-    if distribution in ("lognormal", "weibull"):
-        native = {"mu", "sigma"} if distribution == "lognormal" else {"shape", "scale"}
-        if {"low", "high"} & spec.keys() and native & spec.keys():
-            raise HeteroConfigError(
-                f"{where}: give either the interval (low, high, confidence) or {sorted(native)}, not both"
+class HeteroConfig(BaseModel):
+    """HeteroRL's options (``hetero.*``)."""
+
+    model_config = STRICT_BLOCK
+
+    enable: StrictBool = Field(
+        False,
+        description="true: samplers decoupled from the learner (needs trainer.v1.trainer_mode=separate_async); "
+        "the plugin's sampler, delayed weight sync and checkpointed books",
+    )
+    max_lag: StrictInt | None = Field(
+        DEFAULT_MAX_LAG,
+        ge=0,
+        description="exact bound K in weight versions: no trained group has lag > K (lag = learner version - oldest "
+        "weight version of any token of the group); 0 = on-policy; null = unbounded (lags only recorded)",
+    )
+    strategy: Literal["drop", "wait"] = Field(
+        DEFAULT_STRATEGY,
+        description="wait: nothing is dropped for staleness, the learner waits for groups that would expire; "
+        "drop: groups that would exceed the bound are evicted and counted (hetero/dropped/stale)",
+    )
+    refuse_mixed_versions: StrictBool = Field(
+        DEFAULT_REFUSE_MIXED_VERSIONS,
+        description="true: evict groups whose tokens come from several weight versions (partial rollouts across an "
+        "update); they are always counted",
+    )
+    admission_margin: StrictInt = Field(
+        DEFAULT_ADMISSION_MARGIN,
+        ge=0,
+        description="a sampler group whose weights are older than max_lag - admission_margin versions starts no new "
+        "rollout until newer weights arrive (admission control)",
+    )
+    seed: StrictInt = Field(0, ge=0, description="seed of the delay draws (one independent stream per sampler group)")
+    sampler_groups: list[StrictInt] | None = Field(
+        None,
+        min_length=1,
+        description="rollout replicas per sampler group, e.g. [2, 1, 1]; they must add up to the number of rollout "
+        "replicas; null = one group per replica",
+    )
+    delay: DelayConfig = Field(
+        default_factory=DelayConfig, description="weight-arrival delay of every sampler group (per group and version)"
+    )
+    group_delays: list[DelayConfig] | None = Field(
+        None, description="one delay per sampler group (groups may differ); null = `delay` for every group"
+    )
+
+    @model_validator(mode="after")
+    def _coherent(self) -> HeteroConfig:
+        if self.sampler_groups is not None and any(size < 1 for size in self.sampler_groups):
+            raise ValueError(f"sampler_groups are replica counts >= 1, got {self.sampler_groups}")
+        groups, delays = self.sampler_groups, self.group_delays
+        if groups is not None and delays is not None and len(delays) != len(groups):
+            raise ValueError(
+                f"group_delays has {len(self.group_delays)} entries but sampler_groups has "
+                f"{len(self.sampler_groups)} groups; give one delay per group"
             )
-        if not ({"low", "high"} & spec.keys()):
-            spec.pop("confidence", None)
-            spec.pop("clip", None)
-    return spec
+        try:
+            self.policy()
+        except StalenessConfigError as error:
+            raise ValueError(str(error)) from None
+        return self
+
+    def policy(self) -> StalenessPolicy:
+        return StalenessPolicy(
+            max_lag=self.max_lag,
+            strategy=self.strategy,
+            refuse_mixed_versions=self.refuse_mixed_versions,
+            admission_margin=self.admission_margin,
+        )
 
 
 @dataclass(frozen=True)
 class HeteroSettings:
-    """Parsed ``hetero`` block."""
+    """A parsed ``hetero`` block, with the runtime objects built from it."""
 
-    enable: bool
+    config: HeteroConfig
     policy: StalenessPolicy
-    seed: int
-    sampler_groups: tuple[int, ...] | None
-    delays: tuple[DelayModel, ...] | None  # one per group; None: no delay simulation
+    delays: tuple[DelayModel | None, ...] | None  # one per group (group_delays); None: ``default_delay`` for all
     default_delay: DelayModel | None
+
+    @property
+    def enable(self) -> bool:
+        return self.config.enable
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed
+
+    @property
+    def sampler_groups(self) -> tuple[int, ...] | None:
+        groups = self.config.sampler_groups
+        return None if groups is None else tuple(groups)
 
     @property
     def simulates_delay(self) -> bool:
         return self.default_delay is not None or any(d is not None for d in self.delays or ())
 
-    def group_sizes(self, num_replicas: int) -> tuple[int, ...]:
-        """Replicas per sampler group for ``num_replicas`` rollout replicas (checked against the config)."""
+    def group_sizes(self, num_replicas: int, detail: str = "") -> tuple[int, ...]:
+        """Replicas per sampler group for ``num_replicas`` rollout replicas (``detail``: how that count arose)."""
+        how = f" ({detail})" if detail else ""
         if num_replicas < 1:
-            raise HeteroConfigError("HeteroRL needs at least one standalone rollout replica (sampler)")
-        if self.sampler_groups is None:
-            sizes = (1,) * num_replicas
-        else:
-            sizes = self.sampler_groups
-            if sum(sizes) != num_replicas:
-                raise HeteroConfigError(
-                    f"hetero.sampler_groups={list(sizes)} covers {sum(sizes)} replicas but verl started "
-                    f"{num_replicas} rollout replicas (rollout.nnodes * n_gpus_per_node / tensor parallel size); "
-                    "make the sizes add up or set hetero.sampler_groups=null (one group per replica)"
-                )
+            raise HeteroConfigError(
+                f"HeteroRL needs at least one standalone rollout replica (sampler), but verl would start none{how}: "
+                "give the samplers enough GPUs (actor_rollout_ref.rollout.nnodes, n_gpus_per_node) or a smaller "
+                "tensor_model_parallel_size"
+            )
+        sizes = self.sampler_groups or (1,) * num_replicas
+        if sum(sizes) != num_replicas:
+            raise HeteroConfigError(
+                f"hetero.sampler_groups={list(sizes)} covers {sum(sizes)} replicas but verl starts {num_replicas} "
+                f"rollout replicas{how}; make the sizes add up or set hetero.sampler_groups=null (one group per "
+                "replica)"
+            )
         if self.delays is not None and len(self.delays) != len(sizes):
             raise HeteroConfigError(
                 f"hetero.group_delays has {len(self.delays)} entries for {len(sizes)} sampler groups; one per group"
@@ -97,67 +160,27 @@ class HeteroSettings:
 
 
 def parse_hetero(block: Mapping[str, Any] | None) -> HeteroSettings:
-    """Validate the ``hetero`` block (an OmegaConf node or a dict) into :class:`HeteroSettings`."""
-    block = dict(block or {})
-    known = {
-        "enable",
-        "max_lag",
-        "strategy",
-        "refuse_mixed_versions",
-        "seed",
-        "sampler_groups",
-        "delay",
-        "group_delays",
-        "admission_margin",
-    }
-    unknown = sorted(set(block) - known)
-    if unknown:
-        raise HeteroConfigError(f"unknown hetero option(s) {unknown}; valid: {sorted(known)}")
-    max_lag = block.get("max_lag", 8)
-    if max_lag is not None and (isinstance(max_lag, bool) or not isinstance(max_lag, int)):
-        raise HeteroConfigError(f"hetero.max_lag must be an integer >= 0 or null, got {max_lag!r}")
-    try:
-        policy = StalenessPolicy(
-            max_lag=max_lag,
-            strategy=str(block.get("strategy", "wait")),
-            refuse_mixed_versions=bool(block.get("refuse_mixed_versions", False)),
-            admission_margin=int(block.get("admission_margin", 0) or 0),
-        )
-    except StalenessConfigError as error:
-        raise HeteroConfigError(f"hetero: {error}") from None
-    seed = block.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise HeteroConfigError(f"hetero.seed must be an integer >= 0, got {seed!r}")
-    groups = block.get("sampler_groups")
-    sizes = None
-    if groups is not None:
-        sizes = tuple(groups) if isinstance(groups, Sequence) or hasattr(groups, "__iter__") else (groups,)
-        if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-            raise HeteroConfigError(
-                f"hetero.sampler_groups must be a non-empty list of replica counts >= 1, got {groups!r}"
-            )
-    try:
-        default_spec = _delay_spec(block.get("delay"), "hetero.delay")
-        default_delay = build_delay_model(default_spec) if default_spec else None
-        delays = None
-        if block.get("group_delays") is not None:
-            specs = list(block["group_delays"])
-            if sizes is not None and len(specs) != len(sizes):
-                raise HeteroConfigError(
-                    f"hetero.group_delays has {len(specs)} entries but hetero.sampler_groups has {len(sizes)} groups"
-                )
-            built = []
-            for i, spec in enumerate(specs):
-                parsed = _delay_spec(spec, f"hetero.group_delays[{i}]")
-                built.append(build_delay_model(parsed) if parsed else None)
-            delays = tuple(built)
-    except DelayConfigError as error:
-        raise HeteroConfigError(f"hetero delay: {error}") from None
-    return HeteroSettings(
-        enable=bool(block.get("enable", False)),
-        policy=policy,
-        seed=int(seed),
-        sampler_groups=sizes,
-        delays=delays,
-        default_delay=default_delay,
+    """Validate the ``hetero`` block (a plain mapping, or an OmegaConf node) into :class:`HeteroSettings`."""
+    if block is not None and not isinstance(block, dict):
+        from omegaconf import OmegaConf
+
+        block = OmegaConf.to_container(block, resolve=True) if OmegaConf.is_config(block) else dict(block)
+    config = parse_options(HeteroConfig, block, HETERO_KEY, HeteroConfigError)
+    delays = None
+    if config.group_delays is not None:
+        delays = tuple(spec.build() for spec in config.group_delays)
+    return HeteroSettings(config=config, policy=config.policy(), delays=delays, default_delay=config.delay.build())
+
+
+def rollout_replica_count(rollout: Mapping[str, Any]) -> tuple[int, str]:
+    """Standalone rollout replicas verl starts for ``actor_rollout_ref.rollout`` (as ``LLMServerManager``
+    computes it: nnodes x n_gpus_per_node // (tensor x data x pipeline parallel size)), and the sum spelled out."""
+    names = ("nnodes", "n_gpus_per_node", "tensor_model_parallel_size", "data_parallel_size")
+    nodes, gpus, tensor, data = (int(rollout.get(name, 1)) for name in names)
+    pipeline = int(rollout.get("pipeline_model_parallel_size", 1))
+    count = nodes * gpus // (tensor * data * pipeline)
+    detail = (
+        f"actor_rollout_ref.rollout.nnodes={nodes} x n_gpus_per_node={gpus} / (tensor_model_parallel_size={tensor} "
+        f"x data_parallel_size={data} x pipeline_model_parallel_size={pipeline}) = {count} replica(s)"
     )
+    return count, detail

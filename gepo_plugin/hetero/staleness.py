@@ -34,6 +34,13 @@ import numpy as np
 
 STRATEGIES = ("drop", "wait")
 
+# The defaults of HeteroRL's staleness settings, written once (``hetero.*`` in the config, the lab and every
+# policy built without arguments use them).
+DEFAULT_MAX_LAG = 8
+DEFAULT_STRATEGY = "wait"
+DEFAULT_ADMISSION_MARGIN = 0
+DEFAULT_REFUSE_MIXED_VERSIONS = False
+
 
 class StalenessConfigError(ValueError):
     """An impossible staleness setting; the message says how to fix it."""
@@ -49,10 +56,10 @@ class Verdict(str, Enum):
 class StalenessPolicy:
     """``max_lag=None`` means unbounded (every group is trained, lags are only recorded)."""
 
-    max_lag: int | None = 8
-    strategy: str = "drop"
-    refuse_mixed_versions: bool = False
-    admission_margin: int = 1
+    max_lag: int | None = DEFAULT_MAX_LAG
+    strategy: str = DEFAULT_STRATEGY
+    refuse_mixed_versions: bool = DEFAULT_REFUSE_MIXED_VERSIONS
+    admission_margin: int = DEFAULT_ADMISSION_MARGIN
 
     def __post_init__(self):
         if self.max_lag is not None and (not isinstance(self.max_lag, int) or self.max_lag < 0):

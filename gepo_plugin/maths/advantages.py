@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from gepo_plugin.maths.groups import GroupIndex, segment_mean, segment_sum
+from gepo_plugin.maths.options import BNPO_DEFAULTS, DELTA_L_DEFAULTS
 
 
 class AdvantageInputError(ValueError):
@@ -60,9 +61,9 @@ def beta_log_density(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch
 def bnpo_advantages(
     rewards: torch.Tensor,
     index: GroupIndex,
-    reward_min: float = 0.0,
-    reward_max: float = 1.0,
-    weight_cap: float = 1e6,
+    reward_min: float = BNPO_DEFAULTS.reward_min,
+    reward_max: float = BNPO_DEFAULTS.reward_max,
+    weight_cap: float = BNPO_DEFAULTS.weight_cap,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """BNPO (arXiv 2506.02864): ``A_i = (R_i - p) / Beta(p; a, b)`` with a Beta fitted by moments.
 
@@ -105,7 +106,7 @@ def bnpo_advantages(
     return advantages, stats
 
 
-def delta_l_weights(lengths: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+def delta_l_weights(lengths: torch.Tensor, alpha: float = DELTA_L_DEFAULTS.alpha) -> torch.Tensor:
     """Delta-L normalisation weights (arXiv 2509.07558): ``x_i = L_i^-alpha / sum_j L_j^-alpha``.
 
     ``sum_i x_i g_i`` is an unbiased estimate of the policy gradient for any alpha (each
@@ -127,7 +128,10 @@ def delta_l_weights(lengths: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
 
 
 def delta_l_aggregate(
-    token_losses: torch.Tensor, response_mask: torch.Tensor, alpha: float = 1.0, max_length: int | None = None
+    token_losses: torch.Tensor,
+    response_mask: torch.Tensor,
+    alpha: float = DELTA_L_DEFAULTS.alpha,
+    max_length: int | None = None,
 ) -> torch.Tensor:
     """``(1/M) sum_i x_i sum_t l_i,t`` with Delta-L weights ``x_i``; ``M`` defaults to the padded length."""
     mask = response_mask.to(token_losses.dtype)

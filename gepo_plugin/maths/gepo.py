@@ -21,14 +21,13 @@ do for GSPO.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from gepo_plugin.maths.groups import GroupIndex, segment_logsumexp
-
-#: Cap on the (log) importance weight, as verl's GSPO applies: exp(10) ~ 2.2e4.
-DEFAULT_LOG_RATIO_CAP = 10.0
+from gepo_plugin.maths.options import GEPO_DEFAULTS, MAX_LOG_RATIO_CAP
 
 
 class GEPOInputError(ValueError):
@@ -188,7 +187,7 @@ class GEPOLossTerms:
 
     token_losses: torch.Tensor
     metrics: dict[str, torch.Tensor]
-    #: detached per-sequence log w_i (for statistics by lag); None when not computed
+    #: detached per-sequence log of the weight the loss uses, ``min(log w_i, log_ratio_cap)``
     log_weights: torch.Tensor | None = None
     #: rows that hold a response
     row_valid: torch.Tensor | None = None
@@ -208,8 +207,8 @@ def gepo_token_losses(
     log_group_expectation: torch.Tensor,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    sampler_kl_coef: float = 0.0,
-    log_ratio_cap: float = DEFAULT_LOG_RATIO_CAP,
+    sampler_kl_coef: float = GEPO_DEFAULTS.sampler_kl_coef,
+    log_ratio_cap: float = GEPO_DEFAULTS.log_ratio_cap,
 ) -> GEPOLossTerms:
     """GEPO's clipped surrogate per token, plus the optional k3 KL toward the sampler.
 
@@ -227,6 +226,8 @@ def gepo_token_losses(
         :class:`GEPOLossTerms` whose ``token_losses`` is to be aggregated with verl's
         ``agg_loss`` (or any other aggregation) over ``response_mask``.
     """
+    if not (math.isfinite(clip_ratio_low) and math.isfinite(clip_ratio_high)):
+        raise GEPOInputError(f"clip ratios must be finite, got low={clip_ratio_low}, high={clip_ratio_high}")
     if clip_ratio_low < 0 or clip_ratio_high < 0:
         raise GEPOInputError(
             f"clip ratios must be >= 0, got low={clip_ratio_low}, high={clip_ratio_high} "
@@ -236,6 +237,8 @@ def gepo_token_losses(
         raise GEPOInputError(f"clip_ratio_low must be < 1 (the lower bound is 1 - low), got {clip_ratio_low}")
     if sampler_kl_coef < 0:
         raise GEPOInputError(f"sampler_kl_coef must be >= 0, got {sampler_kl_coef}")
+    if not 0 < log_ratio_cap <= MAX_LOG_RATIO_CAP:
+        raise GEPOInputError(f"log_ratio_cap must be in (0, {MAX_LOG_RATIO_CAP}], got {log_ratio_cap}")
     validate_shapes(log_prob, old_log_prob, advantages, response_mask)
     if log_group_expectation.shape != (log_prob.shape[0],):
         raise GEPOInputError(
@@ -279,30 +282,49 @@ def gepo_token_losses(
         if not bool(torch.isfinite(log_group_expectation[row_valid]).all()):
             raise GEPOInputError("the group term log E_hat_q[q] is non-finite for some response")
         clipped_tokens = ((losses_clipped > losses_unclipped) * fmask).sum(dim=-1)
-        metrics = gepo_metrics(log_w, lengths, row_valid, clipped_tokens, seq_kl, seq_neg_log_ratio)
-    return GEPOLossTerms(token_losses=token_losses, metrics=metrics, log_weights=log_w.detach(), row_valid=row_valid)
+        log_w = log_w.detach()
+        metrics = gepo_metrics(log_w, log_ratio_cap, lengths, row_valid, clipped_tokens, seq_kl, seq_neg_log_ratio)
+    capped = torch.clamp(log_w, max=log_ratio_cap)
+    return GEPOLossTerms(token_losses=token_losses, metrics=metrics, log_weights=capped, row_valid=row_valid)
 
 
 @torch.no_grad()
 def gepo_metrics(
     log_w: torch.Tensor,
+    log_ratio_cap: float,
     lengths: torch.Tensor,
     row_valid: torch.Tensor,
     clipped_tokens: torch.Tensor,
     seq_kl_sum: torch.Tensor,
     seq_neg_log_ratio_sum: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
-    """Importance-weight statistics over the non-empty sequences of one batch, from ``[B]`` sums."""
-    w = torch.exp(log_w.detach()[row_valid])
-    n = w.numel()
+    """Importance-weight statistics over the non-empty sequences of one batch, from ``[B]`` sums.
+
+    ``iw_*`` and ``ess`` describe the weight the loss actually uses, ``w = exp(min(log w, log_ratio_cap))``,
+    and are computed from log-sum-exps in float64, so they stay finite however far the raw weights run
+    (``log_ratio_cap`` is at most :data:`MAX_LOG_RATIO_CAP`). ``log_ratio_cap_frac`` is the share of
+    sequences whose raw weight the cap replaced (the cap changes their gradient), and ``log_iw_max`` the
+    largest raw ``log w``, so a binding cap is visible.
+    """
+    raw = log_w.detach()[row_valid].double()
+    capped = torch.clamp(raw, max=log_ratio_cap)
+    n = raw.numel()
+    log_n = torch.log(torch.tensor(float(n), dtype=torch.float64))
+    log_mean = torch.logsumexp(capped, 0) - log_n
+    log_second = torch.logsumexp(2 * capped, 0) - log_n
+    mean = torch.exp(log_mean)
+    # Var = E[w^2] - E[w]^2 = E[w]^2 (exp(log E[w^2] - 2 log E[w]) - 1), without cancelling large numbers
+    variance = mean**2 * torch.expm1((log_second - 2 * log_mean).clamp(min=0))
     total_tokens = lengths.sum()
     return {
-        "iw_mean": w.mean(),
-        "iw_std": w.std(unbiased=False) if n > 1 else torch.zeros((), dtype=w.dtype),
-        "iw_max": w.max(),
-        "iw_min": w.min(),
-        "ess": w.sum() ** 2 / (n * (w**2).sum()),
-        "clipfrac": (clipped_tokens[row_valid] > 0).to(w.dtype).mean(),
+        "iw_mean": mean,
+        "iw_std": torch.sqrt(variance) if n > 1 else torch.zeros((), dtype=torch.float64),
+        "iw_max": torch.exp(capped.max()),
+        "iw_min": torch.exp(capped.min()),
+        "ess": torch.exp(2 * log_mean - log_second),
+        "log_iw_max": raw.max(),
+        "log_ratio_cap_frac": (raw > log_ratio_cap).double().mean(),
+        "clipfrac": (clipped_tokens[row_valid] > 0).double().mean(),
         "token_clipfrac": clipped_tokens.sum() / total_tokens,
         "sampler_kl": (seq_kl_sum[row_valid] / lengths[row_valid]).mean(),
         "ppo_kl": seq_neg_log_ratio_sum.sum() / total_tokens,

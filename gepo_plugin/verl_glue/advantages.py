@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from verl.trainer.ppo.core_algos import register_adv_est
 
 from gepo_plugin.maths import GroupIndex, bnpo_advantages, delta_l_weights, group_advantages
+from gepo_plugin.maths.options import BNPO_OPTIONS_KEY, DELTA_L_OPTIONS_KEY, BNPOOptions, DeltaLOptions
+from gepo_plugin.options import parse_options
 
 
-def _section(config, name: str) -> dict:
-    if config is None:
-        return {}
-    section = config.get(name, None)
-    return dict(section) if section is not None else {}
+def _options(model, config, name: str, key: str):
+    """The estimator's options from ``algorithm.<name>`` (the model's defaults where the config has none)."""
+    section = None if config is None else config.get(name, None)
+    if section is not None and not isinstance(section, dict):
+        section = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section)
+    return parse_options(model, section, key)
 
 
 def _valid_rows(response_mask: torch.Tensor) -> torch.Tensor:
@@ -57,7 +61,7 @@ def compute_bnpo_outcome_advantage(
     Options under ``algorithm.bnpo``: ``reward_min`` / ``reward_max`` (the reward's range,
     default 0 / 1) and ``weight_cap`` (cap on the inverse Beta density, default 1e6).
     """
-    options = _section(config, "bnpo")
+    options = _options(BNPOOptions, config, "bnpo", BNPO_OPTIONS_KEY)
     ids = _require_index(index)
     valid = _valid_rows(response_mask)
     scores = _scores(token_level_rewards)
@@ -67,9 +71,9 @@ def compute_bnpo_outcome_advantage(
         values, _ = bnpo_advantages(
             scores[valid],
             group_index,
-            reward_min=float(options.get("reward_min", 0.0)),
-            reward_max=float(options.get("reward_max", 1.0)),
-            weight_cap=float(options.get("weight_cap", 1e6)),
+            reward_min=options.reward_min,
+            reward_max=options.reward_max,
+            weight_cap=options.weight_cap,
         )
         advantages[valid] = values.to(advantages.dtype)
     advantages = advantages.unsqueeze(-1) * response_mask
@@ -89,8 +93,7 @@ def compute_delta_l_outcome_advantage(
     Options: ``algorithm.delta_l.alpha`` (default 1: minimum variance; the paper used 0.75 for
     math) and verl's ``algorithm.norm_adv_by_std_in_grpo`` for the base advantage.
     """
-    options = _section(config, "delta_l")
-    alpha = float(options.get("alpha", 1.0))
+    alpha = _options(DeltaLOptions, config, "delta_l", DELTA_L_OPTIONS_KEY).alpha
     normalize = bool(config.get("norm_adv_by_std_in_grpo", True)) if config is not None else True
     ids = _require_index(index)
     valid = _valid_rows(response_mask)

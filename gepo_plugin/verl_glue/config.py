@@ -1,43 +1,38 @@
 """Config dataclasses that extend verl's, so GEPO's options live where verl users expect them.
 
 Only ``config.actor_rollout_ref`` reaches verl's workers, so the loss options sit under
-``actor_rollout_ref.actor.policy_loss``. verl's ``PolicyLossConfig`` rejects unknown keys;
-this subclass, selected with ``policy_loss._target_``, adds GEPO's.
+``actor_rollout_ref.actor.policy_loss``. verl's ``PolicyLossConfig`` rejects unknown keys; this subclass,
+selected with ``policy_loss._target_``, adds GEPO's. The options themselves (names, defaults, limits) are
+:class:`gepo_plugin.maths.options.GEPOOptions`; this class only carries them through verl's dataclass machinery.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from verl.workers.config import PolicyLossConfig
 
-GROUP_SCOPES = ("prompt", "batch")
+from gepo_plugin.maths.options import GEPO_DEFAULTS, GEPO_OPTIONS_KEY, GEPOOptions
+from gepo_plugin.options import parse_options
+
+#: The fields GEPO adds to verl's policy-loss config.
+GEPO_FIELDS: tuple[str, ...] = tuple(GEPOOptions.model_fields)
 
 
 @dataclass
 class GEPOPolicyLossConfig(PolicyLossConfig):
-    """verl's policy-loss config plus GEPO's options.
+    """verl's policy-loss config plus GEPO's options (see :class:`~gepo_plugin.maths.options.GEPOOptions`)."""
 
-    Args:
-        group_scope: ``prompt`` (default, the paper's definition): the group expectation runs
-            over the responses of one prompt, computed by the trainer. ``batch``: over the
-            micro-batch the loss sees, as the reference code does; only for reproducing it.
-        sampler_kl_coef: weight of the per-token k3 KL toward the sampler policy (the paper's
-            asynchronous runs used 0.005). 0 disables it.
-        log_ratio_cap: upper cap on log w for numerical safety (verl's GSPO uses 10).
-    """
-
-    group_scope: str = "prompt"
-    sampler_kl_coef: float = 0.0
-    log_ratio_cap: float = 10.0
+    group_scope: str = GEPO_DEFAULTS.group_scope
+    sampler_kl_coef: float = GEPO_DEFAULTS.sampler_kl_coef
+    log_ratio_cap: float = GEPO_DEFAULTS.log_ratio_cap
 
     def __post_init__(self):
-        if self.group_scope not in GROUP_SCOPES:
-            raise ValueError(
-                f"policy_loss.group_scope={self.group_scope!r} is not one of {GROUP_SCOPES}: "
-                "use 'prompt' (the paper's per-prompt group) or 'batch' (the reference code's micro-batch scope)"
-            )
-        if self.sampler_kl_coef < 0:
-            raise ValueError(f"policy_loss.sampler_kl_coef must be >= 0, got {self.sampler_kl_coef}")
-        if not self.log_ratio_cap > 0:
-            raise ValueError(f"policy_loss.log_ratio_cap must be > 0, got {self.log_ratio_cap}")
+        gepo_options(self)
+
+
+def gepo_options(policy_loss: Any) -> GEPOOptions:
+    """GEPO's options from a policy-loss config: the plugin's dataclass, verl's plain one (defaults), or a node."""
+    values = {name: getattr(policy_loss, name) for name in GEPO_FIELDS if hasattr(policy_loss, name)}
+    return parse_options(GEPOOptions, values, GEPO_OPTIONS_KEY)

@@ -39,6 +39,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from gepo_plugin.hetero.accounting import RolloutLedger
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
 from gepo_plugin.hetero.staleness import Verdict
+from gepo_plugin.verl_glue import seam
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class HeteroReplayBuffer(ReplayBufferAsync):
     """verl's async replay buffer with the exact staleness bound, version accounting and metrics."""
 
     def __init__(self, *args, sampler_kwargs: Mapping[str, Any] | None = None, **kwargs) -> None:
+        seam.require("hetero")
         self.settings: HeteroSettings = parse_hetero(sampler_kwargs)
         # verl's own prompt-step threshold is replaced by the version rule below.
         kwargs["max_off_policy_threshold"] = None

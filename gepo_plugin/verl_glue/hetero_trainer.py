@@ -26,6 +26,7 @@ import torch
 
 from gepo_plugin.hetero.lag_buckets import finalize_lag_metrics
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
+from gepo_plugin.verl_glue import seam
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,9 @@ STATE_FILE = "hetero.json"
 
 class HeteroMixin:
     def __init__(self, config):
-        if not bool(config.actor_rollout_ref.get("hybrid_engine", True)):
+        if parse_hetero(config.get("hetero")).enable:
+            seam.require("hetero")
+        if config.actor_rollout_ref.get("hybrid_engine", True) is False:
             apply_hybrid_off_fix()
         super().__init__(config)
 
@@ -150,18 +153,16 @@ class HeteroMixin:
             json.dump(state, handle)
 
     def _load_checkpoint(self):
-        super()._load_checkpoint()
         sampler = self._hetero_sampler()
-        if sampler is None or not self.global_steps:
-            return
-        folder = self.config.trainer.resume_from_path if self.config.trainer.resume_mode == "resume_path" else None
-        folder = folder or os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
-        if not os.path.isabs(folder):
-            folder = os.path.join(os.getcwd(), folder)
+        if sampler is None:
+            return super()._load_checkpoint()
+        folder = load_recording_folder(self, super()._load_checkpoint)
+        if folder is None:
+            return None
         path = os.path.join(folder, STATE_FILE)
         if not os.path.exists(path):
             logger.warning("hetero: %s not found; staleness accounting restarts from zero at this resume", path)
-            return
+            return None
         with open(path) as handle:
             state = json.load(handle)
         sampler.load_state_dict(state["sampler"])
@@ -173,6 +174,32 @@ class HeteroMixin:
             ledger["produced"],
             ledger["trained"],
         )
+        return None
+
+
+def load_recording_folder(trainer, load_checkpoint) -> str | None:
+    """Run verl's ``_load_checkpoint`` and return the ``global_step_*`` folder it resumed from (None: a fresh start).
+
+    verl decides the folder (resume modes, relative paths, the latest step) and loads the actor from
+    ``<folder>/actor`` with ``actor_rollout_wg.load_checkpoint(local_path=...)`` (a seam contact); recording that
+    call gives exactly its choice, without repeating its rules here.
+    """
+    group = trainer.actor_rollout_wg
+    original = group.load_checkpoint
+    seen: list[str] = []
+
+    def recording(*args, **kwargs):
+        local_path = kwargs.get("local_path", args[0] if args else None)
+        if local_path is not None:
+            seen.append(os.path.dirname(os.path.normpath(str(local_path))))
+        return original(*args, **kwargs)
+
+    group.load_checkpoint = recording
+    try:
+        load_checkpoint()
+    finally:
+        group.load_checkpoint = original
+    return seen[0] if seen else None
 
 
 def sample_lags(keys, tags, learner_version: int) -> np.ndarray:

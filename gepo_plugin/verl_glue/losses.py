@@ -15,6 +15,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
 from gepo_plugin.hetero.lag_buckets import BY_LAG, weight_sums_by_lag
 from gepo_plugin.maths import GroupIndex, gepo_token_losses, group_log_expectation, sequence_log_prob
+from gepo_plugin.verl_glue.config import gepo_options
 from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, SAMPLE_LAG, current_sample_terms
 
 METRIC_PREFIX = "actor/gepo/"
@@ -87,8 +88,8 @@ def compute_policy_loss_gepo(
     """
     if config is None:
         raise ValueError("the gepo loss needs the actor config (verl passes it as `config`)")
-    policy_cfg = config.policy_loss
-    group_scope = policy_cfg.get("group_scope", "prompt")
+    options = gepo_options(config.policy_loss)
+    group_scope = options.group_scope
     log_denominator = resolve_log_group_expectation(old_log_prob, response_mask, group_scope)
     low, high = _clip_range(config)
     terms = gepo_token_losses(
@@ -99,8 +100,8 @@ def compute_policy_loss_gepo(
         log_group_expectation=log_denominator,
         clip_ratio_low=low,
         clip_ratio_high=high,
-        sampler_kl_coef=float(policy_cfg.get("sampler_kl_coef", 0.0)),
-        log_ratio_cap=float(policy_cfg.get("log_ratio_cap", 10.0)),
+        sampler_kl_coef=options.sampler_kl_coef,
+        log_ratio_cap=options.log_ratio_cap,
     )
     token_losses = terms.token_losses
     if rollout_is_weights is not None:
@@ -114,7 +115,8 @@ def compute_policy_loss_gepo(
         "actor/ppo_kl": m["ppo_kl"],
         "actor/pg_clipfrac_lower": 0.0,
     }
-    metrics.update({f"{METRIC_PREFIX}{key}": m[key] for key in ("iw_mean", "iw_std", "iw_max", "iw_min", "ess")})
+    for key in ("iw_mean", "iw_std", "iw_max", "iw_min", "ess", "log_iw_max", "log_ratio_cap_frac"):
+        metrics[f"{METRIC_PREFIX}{key}"] = m[key]
     metrics[f"{METRIC_PREFIX}clipfrac"] = m["clipfrac"]
     metrics[f"{METRIC_PREFIX}sampler_kl"] = m["sampler_kl"]
     metrics[f"{METRIC_PREFIX}group_term_present"] = 1.0 if group_scope == "prompt" else 0.0

@@ -8,27 +8,37 @@ verl terms (``python -m gepo_plugin presets`` prints it).
 
 from __future__ import annotations
 
-import logging
+import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-logger = logging.getLogger(__name__)
+from gepo_plugin.verl_glue.errors import PluginConfigError
 
 ACTOR = "actor_rollout_ref.actor"
 TRAINER_MODE_KEY = "trainer.v1.trainer_mode"
 
 
+LOSS_MODE_KEY = f"{ACTOR}.policy_loss.loss_mode"
+ESTIMATOR_KEY = "algorithm.adv_estimator"
+
+
 @dataclass(frozen=True)
 class LossPreset:
-    """A named loss: its verl settings and whether it needs the plugin's trainer-side group term."""
+    """A named loss: its verl settings and whether it needs the plugin's trainer-side group term.
+
+    ``defines`` are the settings that make the member what it is (its loss mode, and for BNPO and ΔL its
+    estimator): setting one of them explicitly to another value contradicts ``algorithm.loss`` and is an error.
+    Every other setting is a tunable default that an explicit user value replaces.
+    """
 
     name: str
     summary: str
     settings: Mapping[str, Any] = field(default_factory=dict)
     needs_group_term: bool = False
+    defines: tuple[str, ...] = (LOSS_MODE_KEY,)
 
 
 def _ppo_clip(low: float, high: float) -> dict[str, Any]:
@@ -106,6 +116,7 @@ PRESETS: dict[str, LossPreset] = {
                 f"{ACTOR}.loss_agg_mode": "seq-mean-token-sum",
                 **_ppo_clip(0.2, 0.2),
             },
+            defines=(LOSS_MODE_KEY, ESTIMATOR_KEY),
         ),
         LossPreset(
             "delta_l",
@@ -117,6 +128,7 @@ PRESETS: dict[str, LossPreset] = {
                 f"{ACTOR}.loss_agg_mode": "seq-mean-token-sum-norm",
                 **_ppo_clip(0.2, 0.2),
             },
+            defines=(LOSS_MODE_KEY, ESTIMATOR_KEY),
         ),
         LossPreset(
             "cispo",
@@ -133,17 +145,33 @@ PRESETS: dict[str, LossPreset] = {
 }
 
 
-class UnknownLossError(ValueError):
+class UnknownLossError(PluginConfigError):
     """``algorithm.loss`` names no preset."""
 
 
 def get_preset(name: str) -> LossPreset:
     if name not in PRESETS:
+        close = difflib.get_close_matches(str(name), sorted(PRESETS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UnknownLossError(
-            f"algorithm.loss={name!r} is not a known loss. Valid names: {', '.join(sorted(PRESETS))} "
+            f"algorithm.loss={name!r} is not a known loss{hint}. Valid names: {', '.join(sorted(PRESETS))} "
             "(or leave algorithm.loss unset for plain verl behaviour)."
         )
     return PRESETS[name]
+
+
+def check_contradictions(config: DictConfig, preset: LossPreset, explicit: set[str]) -> None:
+    """An explicit value for a key that ``preset.defines`` must agree with the preset (else: which key wins how)."""
+    for key in preset.defines:
+        if _is_set_by_user(key, explicit):
+            value = OmegaConf.select(config, key)
+            if value != preset.settings[key]:
+                raise PluginConfigError(
+                    f"algorithm.loss={preset.name} sets {key}={preset.settings[key]}, but {key}={value} was given. "
+                    f"algorithm.loss decides the {key.rsplit('.', 1)[-1]} (your own values win only for the other, "
+                    f"tunable settings): remove {key}, or choose the algorithm.loss that matches it, or drop "
+                    "algorithm.loss to configure verl by hand."
+                )
 
 
 def explicit_override_keys(overrides: Iterable[str]) -> set[str]:
@@ -170,6 +198,7 @@ def apply_loss_preset(config: DictConfig, explicit: set[str] | None = None) -> L
     if name is None:
         return None
     preset = get_preset(str(name))
+    check_contradictions(config, preset, explicit or set())
     apply_settings(config, preset.settings, explicit)
     if preset.needs_group_term:
         with open_dict(config):
@@ -187,15 +216,9 @@ def apply_settings(config: DictConfig, settings: Mapping[str, Any], explicit: se
 
 
 def _select_group_term_trainer(config: DictConfig) -> None:
-    from gepo_plugin.verl_glue.trainers import GEPO_TRAINER_FOR_MODE
+    """verl's trainer mode -> the plugin's trainer of that mode (any other name is checked at validation)."""
+    from gepo_plugin.names import GEPO_TRAINER_FOR_MODE
 
     mode = OmegaConf.select(config, TRAINER_MODE_KEY)
     if mode in GEPO_TRAINER_FOR_MODE:
         OmegaConf.update(config, TRAINER_MODE_KEY, GEPO_TRAINER_FOR_MODE[mode])
-    elif mode not in GEPO_TRAINER_FOR_MODE.values():
-        logger.warning(
-            "trainer.v1.trainer_mode=%s is not one of verl's modes (%s); the gepo loss needs the plugin's "
-            "trainer-side group term, so make sure your trainer subclasses gepo_plugin's SampleTermsMixin.",
-            mode,
-            ", ".join(GEPO_TRAINER_FOR_MODE),
-        )

@@ -20,6 +20,8 @@ from contextvars import ContextVar
 
 import torch
 
+from gepo_plugin.verl_glue import seam
+
 #: Field with ``log E_hat_q[q]`` of each sample's prompt group (GEPO's denominator).
 LOG_GROUP_EXPECTATION = "gepo_log_group_expectation"
 
@@ -60,10 +62,12 @@ def extract_sample_terms(data) -> dict[str, torch.Tensor]:
 
 
 def _rewrapped(metric, aggregation):
+    """The same values under another aggregation (``Metric.values`` is a seam contact)."""
     from verl.utils.metric import Metric
 
+    seam.require("metric_aggregation")
     out = Metric(aggregation)
-    out.values.extend(metric.values)
+    out.extend(list(metric.values))
     return out
 
 

@@ -28,17 +28,11 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
 from gepo_plugin.maths import GroupIndex, group_log_expectation_from_tokens
+from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.hetero_trainer import HeteroMixin
 from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_sample_terms
 
 logger = logging.getLogger(__name__)
-
-#: verl trainer mode -> the plugin's trainer of that mode.
-GEPO_TRAINER_FOR_MODE: dict[str, str] = {
-    "sync": "gepo_sync",
-    "colocate_async": "gepo_colocate_async",
-    "separate_async": "gepo_separate_async",
-}
 
 
 def compute_group_terms(uids: np.ndarray, old_log_probs: torch.Tensor, response_mask: torch.Tensor, is_padding):
@@ -56,6 +50,10 @@ def compute_group_terms(uids: np.ndarray, old_log_probs: torch.Tensor, response_
 
 class SampleTermsMixin:
     """Adds the trainer-side group term and the loss wrapper to a verl V1 trainer."""
+
+    def __init__(self, config):
+        seam.require("group_term", "metric_aggregation")
+        super().__init__(config)
 
     def _setup(self):
         super()._setup()
@@ -109,7 +107,6 @@ class HeteroTrainerSeparateAsync(HeteroMixin, PPOTrainerSeparateAsync):
 
 
 __all__ = [
-    "GEPO_TRAINER_FOR_MODE",
     "GEPOTrainerColocateAsync",
     "GEPOTrainerSeparateAsync",
     "GEPOTrainerSync",

@@ -1,0 +1,237 @@
+"""The config that runs, settled before anything runs: what ``python -m gepo_plugin.main_ppo`` is built on.
+
+A user's command line names a few things (``algorithm.loss=gepo``, ``hetero.enable=true``,
+``trainer.device=cpu``) that imply many verl settings. The launcher settles them in two passes:
+
+1. **Compose and settle.** Hydra composes the user's command line exactly as it will at run time. The plugin
+   fills in what the named things imply, each only where the user set nothing (:func:`settle`): the loss
+   preset, the HeteroRL wiring, the CPU backend's settings. Then every start-up check runs on the result
+   (:func:`gepo_plugin.verl_glue.validation.validate_plugin_config`, the verl internals the run will need,
+   and verl's own ``validate_config``). A mistake stops here, with a message naming the key.
+2. **Hand Hydra the truth.** What the plugin filled in becomes ordinary Hydra overrides (:func:`plan_launch`),
+   placed before the user's (so the user's win), except the few keys the plugin must rewrite although the
+   user set them (``trainer.v1.trainer_mode=sync`` becomes ``gepo_sync`` under ``algorithm.loss=gepo``), which go
+   after. Hydra composes again: ``--cfg job`` prints exactly the config verl's trainer will receive, and a run
+   receives exactly that config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+#: Hydra flags that take a value (``--flag value`` or ``--flag=value``).
+FLAGS_WITH_VALUE = frozenset(
+    {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--cfg", "-c", "--package", "-p"}
+)
+#: Flags that only print or inspect (``--cfg``, ``--package``, ``--resolve``): not part of composing.
+PRINT_FLAGS = frozenset({"--cfg", "-c", "--package", "-p", "--resolve"})
+#: Flags that answer without composing a run: passed to Hydra untouched.
+PASSTHROUGH_FLAGS = frozenset(
+    {"--help", "-h", "--hydra-help", "--version", "--info", "-i", "--shell-completion", "-sc", "--experimental-rerun"}
+)
+MULTIRUN_FLAGS = frozenset({"--multirun", "-m"})
+
+
+@dataclass
+class CommandLine:
+    """A Hydra command line split into flags (with their values) and overrides."""
+
+    flags: list[list[str]] = field(default_factory=list)
+    overrides: list[str] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, argv: Iterable[str]) -> CommandLine:
+        out = cls()
+        items = list(argv)
+        index = 0
+        while index < len(items):
+            item = items[index]
+            name = item.split("=", 1)[0]
+            if item.startswith("-") and not item.startswith(("+", "~")):
+                flag = [item]
+                if name in FLAGS_WITH_VALUE and "=" not in item and index + 1 < len(items):
+                    flag.append(items[index + 1])
+                    index += 1
+                out.flags.append(flag)
+            else:
+                out.overrides.append(item)
+            index += 1
+        return out
+
+    def _names(self) -> set[str]:
+        return {flag[0].split("=", 1)[0] for flag in self.flags}
+
+    @property
+    def passthrough(self) -> bool:
+        return bool(self._names() & PASSTHROUGH_FLAGS)
+
+    @property
+    def multirun(self) -> bool:
+        return bool(self._names() & MULTIRUN_FLAGS)
+
+    def flag_args(self, keep_print_flags: bool = True) -> list[str]:
+        return [
+            part
+            for flag in self.flags
+            if keep_print_flags or flag[0].split("=", 1)[0] not in PRINT_FLAGS
+            for part in flag
+        ]
+
+
+def explicit_keys(overrides: Iterable[str]) -> set[str]:
+    """Config keys a command line sets (``a.b=1``, ``+a.b=1``, ``++a.b=1``, ``~a.b``; not ``hydra.*``)."""
+    from gepo_plugin.verl_glue.presets import explicit_override_keys
+
+    return explicit_override_keys(overrides)
+
+
+def settle(config: DictConfig, explicit: set[str]) -> tuple[DictConfig, list[str]]:
+    """The config that will run: a copy of ``config`` with everything the plugin fills in, validated.
+
+    Returns the settled copy and the warnings of the checks. Raises
+    :class:`~gepo_plugin.options.OptionsError` (a subclass per surface) for a setting that cannot work.
+    """
+    from gepo_plugin.cpu_backend import CPU_PLATFORM
+    from gepo_plugin.cpu_backend.activate import cpu_run_settings
+    from gepo_plugin.verl_glue.hetero_wiring import apply_hetero
+    from gepo_plugin.verl_glue.presets import apply_loss_preset, apply_settings
+    from gepo_plugin.verl_glue.validation import check_device, validate_plugin_config
+
+    settled = copy.deepcopy(config)
+    apply_loss_preset(settled, explicit)
+    apply_hetero(settled, explicit)
+    check_device(settled)
+    if OmegaConf.select(settled, "trainer.device") == CPU_PLATFORM:
+        apply_settings(settled, cpu_run_settings(settled), explicit)
+    return settled, validate_plugin_config(settled)
+
+
+def features_needed(config: DictConfig) -> list[str]:
+    """The seam features (verl internals) a settled config will use, checked before anything starts."""
+    from gepo_plugin.cpu_backend import CPU_PLATFORM
+    from gepo_plugin.names import GEPO_TRAINER_FOR_MODE
+
+    features = []
+    if OmegaConf.select(config, "trainer.v1.trainer_mode") in GEPO_TRAINER_FOR_MODE.values():
+        features += ["group_term", "metric_aggregation"]
+    if OmegaConf.select(config, "hetero.enable"):
+        features.append("hetero")
+        if OmegaConf.select(config, "actor_rollout_ref.hybrid_engine") is False:
+            features.append("hybrid_engine_off")
+    if OmegaConf.select(config, "trainer.device") == CPU_PLATFORM:
+        features.append("cpu_backend")
+    return features
+
+
+def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(node, dict) and node:
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    else:
+        yield prefix, node
+
+
+def _lookup(container: Any, key: str) -> tuple[bool, Any]:
+    node = container
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def changed_keys(before: DictConfig, after: DictConfig) -> dict[str, Any]:
+    """Leaf keys whose (unresolved) value differs between two configs, with the value in ``after``."""
+    old = OmegaConf.to_container(before, resolve=False)
+    new = OmegaConf.to_container(after, resolve=False)
+    changed = {}
+    for key, value in _leaves(new):
+        found, previous = _lookup(old, key)
+        if not found or previous != value or type(previous) is not type(value):
+            changed[key] = value
+    return changed
+
+
+def format_value(value: Any) -> str:
+    """``value`` in Hydra's override grammar (round-trips through Hydra's parser; see the tests)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return (
+            repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
+        )
+    if isinstance(value, str):
+        if value.startswith("${") and value.endswith("}") and value.count("${") == 1:
+            return value  # an interpolation, kept as one
+        escaped = value.replace("\\", "\\\\").replace("'", "\\'")
+        return f"'{escaped}'"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(format_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{format_value(item)}" for key, item in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} {value!r} as a Hydra override")
+
+
+@dataclass
+class LaunchPlan:
+    """What the launcher settled: the config that runs, what it filled in, and Hydra's command line for it."""
+
+    config: DictConfig
+    filled_in: dict[str, Any]
+    overrides: list[str]
+    warnings: list[str]
+
+
+def plan_launch(config: DictConfig, user_overrides: list[str]) -> LaunchPlan:
+    """Settle ``config`` (composed from ``user_overrides``) and write what was filled in as Hydra overrides."""
+    explicit = explicit_keys(user_overrides)
+    settled, warnings = settle(config, explicit)
+    filled_in = changed_keys(config, settled)
+    before = [f"++{key}={format_value(value)}" for key, value in filled_in.items() if not _user_set(key, explicit)]
+    after = [f"++{key}={format_value(value)}" for key, value in filled_in.items() if _user_set(key, explicit)]
+    return LaunchPlan(settled, filled_in, [*before, *user_overrides, *after], warnings)
+
+
+def _user_set(key: str, explicit: set[str]) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in explicit)
+
+
+def check_before_start(config: DictConfig) -> None:
+    """The checks that need verl: the internals the run will use (seam) and verl's own ``validate_config``."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from gepo_plugin.verl_glue import seam
+
+    seam.require(*features_needed(config))
+    # verl prints its progress to stdout; keep stdout for what the user asked for (``--cfg job`` pipes YAML)
+    with contextlib.redirect_stdout(sys.stderr):
+        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+
+
+def compose_config(overrides: Iterable[str] = (), config_name: str = "gepo_trainer") -> DictConfig:
+    """The plugin's config composed with Hydra's compose API (no Hydra run, no settling): for tools and tests."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="gepo_plugin.config", version_base=None):
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+def settled_config(overrides: Iterable[str]) -> DictConfig:
+    """:func:`compose_config` then :func:`plan_launch`: the config a launch with ``overrides`` would run."""
+    overrides = list(overrides)
+    return plan_launch(compose_config(overrides), overrides).config

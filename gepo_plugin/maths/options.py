@@ -1,0 +1,92 @@
+"""The options of GEPO's loss and of the BNPO and ΔL estimators: each default is written here and only here.
+
+verl users set them as ``actor_rollout_ref.actor.policy_loss.<option>`` (GEPO) and ``algorithm.bnpo.<option>``
+/ ``algorithm.delta_l.<option>``; the Hydra nodes, the verl config dataclass
+(:class:`gepo_plugin.verl_glue.config.GEPOPolicyLossConfig`), the loss and the estimators all read these models.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from gepo_plugin.options import STRICT_BLOCK
+
+#: Largest accepted cap on ``log w``: exp(80) is close to float32's limit (exp(88.7) overflows), so the
+#: weight the loss uses and every statistic of it stay finite.
+MAX_LOG_RATIO_CAP = 80.0
+
+#: Where each block lives in verl's config tree (for error messages and the Hydra nodes).
+GEPO_OPTIONS_KEY = "actor_rollout_ref.actor.policy_loss"
+BNPO_OPTIONS_KEY = "algorithm.bnpo"
+DELTA_L_OPTIONS_KEY = "algorithm.delta_l"
+
+
+class GEPOOptions(BaseModel):
+    """GEPO's options, beside verl's own policy-loss keys."""
+
+    model_config = STRICT_BLOCK
+
+    group_scope: Literal["prompt", "batch"] = Field(
+        "prompt",
+        description="prompt: the group expectation runs over the responses of one prompt (the paper's definition, "
+        "computed by the plugin's trainer); batch: over the micro-batch the loss sees, as the reference code does "
+        "(only to reproduce its numbers)",
+    )
+    sampler_kl_coef: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="weight of the per-token k3 KL toward the sampler, exp(q-p)-(q-p)-1 (the paper's asynchronous "
+        "runs: 0.005); 0 switches it off",
+    )
+    log_ratio_cap: float = Field(
+        10.0,
+        gt=0,
+        le=MAX_LOG_RATIO_CAP,
+        allow_inf_nan=False,
+        description="upper cap on log w for numerical safety, as verl's GSPO (exp(10) ~ 2.2e4); the fraction of "
+        "sequences where it binds is reported as actor/gepo/log_ratio_cap_frac",
+    )
+
+
+class BNPOOptions(BaseModel):
+    """BNPO's options (``algorithm.adv_estimator=bnpo``)."""
+
+    model_config = STRICT_BLOCK
+
+    reward_min: float = Field(0.0, allow_inf_nan=False, description="lower end of the reward's range")
+    reward_max: float = Field(
+        1.0,
+        allow_inf_nan=False,
+        description="upper end of the reward's range (rewards are rescaled to [0, 1]: BNPO models a success "
+        "probability)",
+    )
+    weight_cap: float = Field(
+        1e6, gt=0, allow_inf_nan=False, description="cap on the inverse Beta density that scales the advantage"
+    )
+
+    @model_validator(mode="after")
+    def _range_is_not_empty(self) -> BNPOOptions:
+        if not self.reward_max > self.reward_min:
+            raise ValueError(f"reward_max ({self.reward_max}) must exceed reward_min ({self.reward_min})")
+        return self
+
+
+class DeltaLOptions(BaseModel):
+    """ΔL normalisation's options (``algorithm.adv_estimator=delta_l``)."""
+
+    model_config = STRICT_BLOCK
+
+    alpha: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="exponent of the length weights L_i^-alpha (1: minimum variance; the paper used 0.75 for math)",
+    )
+
+
+GEPO_DEFAULTS = GEPOOptions()
+BNPO_DEFAULTS = BNPOOptions()
+DELTA_L_DEFAULTS = DeltaLOptions()

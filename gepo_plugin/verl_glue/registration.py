@@ -1,0 +1,102 @@
+"""Lazy, import-order-proof registration of the plugin's names with verl.
+
+verl imports every ``verl.plugins`` entry point on ``import verl``, in every process. Importing the plugin's
+loss, estimators and trainers right then would cost every process verl's trainer stack (seconds, and a dozen
+warnings about engines that are not installed), and it re-enters verl while verl is still initialising: an
+import cycle whenever a user imports a plugin module first.
+
+So registration waits for the registry itself: when verl's module that holds a registry finishes importing, a
+post-import hook (``wrapt.register_post_import_hook``) imports the plugin module whose decorators register with
+it. A lookup can only happen after that module is imported, so it always finds the plugin's names; a process
+that never trains (a rollout server, a reward worker) never pays for them.
+
+If the plugin module is already being imported (a user imported it first, and it imported verl), the hook leaves
+it alone: its decorators run when its own import finishes. Errors are recorded in :data:`ERRORS` and logged as a
+WARNING naming the module, because verl swallows plugin errors at DEBUG level.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Iterable
+
+from gepo_plugin.names import expected_names
+
+logger = logging.getLogger("gepo_plugin")
+
+#: verl module (that defines a registry) -> the plugin modules that register with it when imported.
+REGISTRATIONS: dict[str, tuple[str, ...]] = {
+    "verl.trainer.ppo.core_algos": ("gepo_plugin.verl_glue.losses", "gepo_plugin.verl_glue.advantages"),
+    "verl.trainer.ppo.v1": ("gepo_plugin.verl_glue.trainers",),
+}
+
+#: registration step -> the error that stopped it in this process (for the doctor).
+ERRORS: dict[str, str] = {}
+
+
+def run_recorded(step: str, action: Callable[[], object]) -> None:
+    """Run one registration step; record and log a failure instead of raising.
+
+    Raising here would fail the import of verl's own module (a broken plugin would break verl), and verl
+    would swallow it at DEBUG level anyway; a WARNING that names the step is what the user needs.
+    """
+    try:
+        action()
+    except Exception as error:
+        ERRORS[step] = f"{type(error).__name__}: {error}"
+        logger.warning(
+            "gepo-plugin: could not %s in this process (%s); run `python -m gepo_plugin doctor` for details",
+            step,
+            ERRORS[step],
+        )
+
+
+def import_registering(modules: Iterable[str]) -> None:
+    """Import the plugin modules whose decorators register with verl, unless already (being) imported."""
+    for name in modules:
+        if name not in sys.modules:
+            run_recorded(f"register {name} with verl", lambda name=name: importlib.import_module(name))
+
+
+def on_import(module: str, callback) -> None:
+    """Run ``callback(module_object)`` once ``module`` is imported (at once if it already is)."""
+    import wrapt
+
+    wrapt.register_post_import_hook(callback, module)
+
+
+def _apply_server_identity() -> None:
+    from gepo_plugin.patching import apply_optional
+
+    apply_optional("server_identity", "per-sampler-group throughput metrics are unavailable", logger)
+
+
+def install() -> None:
+    """Register the post-import hooks (idempotent enough: a second hook finds the modules imported).
+
+    HeteroRL runs set ``GEPO_HETERO_SERVER_ID=1`` in every Ray process (``hetero.enable=true``): there rollouts
+    are tagged with the server that generated them once verl's rollout client is imported.
+    """
+    import os
+
+    from gepo_plugin.patches.server_identity import ENV
+
+    for verl_module, plugin_modules in REGISTRATIONS.items():
+        on_import(verl_module, lambda _module, mods=plugin_modules: import_registering(mods))
+    if os.environ.get(ENV) == "1":
+        on_import(
+            "verl.workers.rollout.llm_server",
+            lambda _module: run_recorded("tag rollouts with their server", _apply_server_identity),
+        )
+
+
+def registration_status() -> dict[str, object]:
+    """What verl's registries of THIS process hold (importing them, which completes any pending registration)."""
+    from gepo_plugin.names import registered_names
+
+    found = registered_names()
+    expected = expected_names()
+    missing = [name for kind, names in expected.items() for name in names if name not in found[kind]]
+    return {"registered": found, "missing": missing, "errors": dict(ERRORS), "ok": not missing and not ERRORS}

@@ -1,0 +1,394 @@
+"""The one guarded seam: every contact of the plugin with a private name of verl (or megatron-core/mbridge).
+
+verl's public hooks (registries, ``set_loss_fn``, config ``_target_``) carry most of the plugin. A few features
+need more: a method verl calls on a subclass, a private registry dict, a function a patch replaces. Each such
+contact point is declared here once, as a :class:`Contact`: where it lives, the shape the plugin relies on
+(parameter names, return annotation, or a source marker for instance attributes), and the features that need it.
+
+What this buys:
+
+* **One warning for an untested version.** :func:`warn_if_untested` (run at registration) compares the installed
+  packages with :data:`TESTED_VERSIONS` and, on a mismatch, names the features that rest on private names.
+* **A refusal, never misbehaviour.** :func:`require` checks a feature's contacts (cheaply, once per process) when
+  the feature starts: the launcher calls it before Ray starts, and each feature's entry (trainer mixins, the
+  HeteroRL sampler, the CPU backend, every patch) calls it again in its own process. A missing or reshaped
+  contact makes that feature, and only that feature, raise :class:`SeamError` naming the contact and the fix.
+* **A table.** ``python -m gepo_plugin doctor`` prints :func:`report`: every contact, its features and status.
+
+Code that touches a private name obtains it here (:func:`resolve`, :func:`replace`), so a grep for the seam finds
+every such place. Overridden private methods (``_setup`` ...) cannot be routed through a function; their classes
+call :func:`require` for their feature instead, and the methods are listed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata as metadata
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+logger = logging.getLogger("gepo_plugin")
+
+#: Versions every contact below was read from and tested with (the CPU e2e suite runs on them).
+TESTED_VERSIONS: dict[str, tuple[str, ...]] = {"verl": ("0.9.1",)}
+
+#: Features that rest on private names, with what a user loses when one refuses to start.
+FEATURES: dict[str, str] = {
+    "group_term": "GEPO's trainer-side group term (trainers gepo_sync / gepo_colocate_async / gepo_separate_async)",
+    "metric_aggregation": "max/min/sum aggregation of GEPO's *_max, *_min and by-lag metrics",
+    "hetero": "HeteroRL (hetero.enable=true): exact staleness sampler, delayed weight sync, checkpointed books",
+    "server_identity": "HeteroRL per-sampler-group throughput (hetero/sampler_group_<i>/trained_*)",
+    "hybrid_engine_off": "separate_async with actor_rollout_ref.hybrid_engine=False (fix of a verl 0.9.1 crash)",
+    "cpu_backend": "trainer.device=cpu (verl's trainer on a CPU: transformers rollout, gloo, CPU engines)",
+}
+
+
+class SeamError(RuntimeError):
+    """A feature cannot start: a private verl name it relies on is missing or has changed shape."""
+
+
+@dataclass(frozen=True)
+class Contact:
+    """One private name the plugin touches.
+
+    Attributes:
+        module: the module that defines it.
+        qualname: attribute path inside the module, e.g. ``"ReplayBufferAsync._select_prompt_uids"``.
+        features: the :data:`FEATURES` that need it.
+        how: what the plugin does with it (read, write, override, replace, call).
+        params: for callables, the parameter names the plugin relies on (in order, from the first).
+        returns: for callables, the return annotation as written in the tested version (a tuple layout the
+            plugin unpacks), or None when not checked.
+        source_marker: for instance attributes (invisible on the class), a string that must appear in the
+            source of the object at ``qualname``.
+        package: the distribution that ships it (for the version check).
+    """
+
+    module: str
+    qualname: str
+    features: tuple[str, ...]
+    how: str
+    params: tuple[str, ...] | None = None
+    returns: str | None = None
+    source_marker: str | None = None
+    package: str = "verl"
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+_TRAINER = "verl.trainer.ppo.v1.trainer_base"
+_BUFFER = "verl.trainer.ppo.v1.replay_buffer"
+_SERVER = "verl.workers.rollout.llm_server"
+
+CONTACTS: tuple[Contact, ...] = (
+    # the plugin's trainers (SampleTermsMixin, HeteroMixin) extend these steps of verl's V1 trainer
+    Contact(_TRAINER, "PPOTrainer._setup", ("group_term", "hetero"), "override: install the loss wrapper", ("self",)),
+    Contact(
+        _TRAINER,
+        "PPOTrainer._compute_advantage",
+        ("group_term", "hetero"),
+        "override: write per-sample terms after verl's advantages",
+        ("self", "batch", "metrics"),
+    ),
+    Contact(
+        _TRAINER,
+        "PPOTrainer._update_actor",
+        ("hetero",),
+        "override: finalise the by-lag weight statistics",
+        ("self", "batch", "metrics"),
+    ),
+    Contact(_TRAINER, "PPOTrainer._save_checkpoint", ("hetero",), "override: save hetero.json beside", ("self",)),
+    Contact(
+        _TRAINER,
+        "PPOTrainer._load_checkpoint",
+        ("hetero",),
+        "override: find the folder verl resumes from (its actor_rollout_wg.load_checkpoint(local_path=...) call)",
+        ("self",),
+        source_marker="actor_rollout_wg.load_checkpoint(",
+    ),
+    # HeteroReplayBuffer replaces the staleness rule of verl's async replay buffer
+    Contact(
+        _BUFFER,
+        "ReplayBufferAsync._terminal_eviction_reasons",
+        ("hetero",),
+        "override: the exact staleness rule; returns (stale, dapo, failed, dapo_counts)",
+        ("self", "global_steps", "partition_id"),
+        returns="tuple[set[str], set[str], set[str], collections.Counter]",
+    ),
+    Contact(
+        _BUFFER,
+        "ReplayBufferAsync._evict_terminal_groups",
+        ("hetero",),
+        "override: count evictions by reason in the ledger",
+        ("self", "global_steps", "partition_id", "eviction_reasons"),
+        returns="tuple[set[str], int, int, dict]",
+    ),
+    Contact(
+        _BUFFER,
+        "ReplayBufferAsync._has_enough_samples",
+        ("hetero",),
+        "override: the wait strategy's gate",
+        ("self", "global_steps", "partition_id", "batch_size", "sampleable_keys"),
+    ),
+    Contact(
+        _BUFFER,
+        "ReplayBufferAsync._select_prompt_uids",
+        ("hetero",),
+        "override: oldest weight version first; returns (uids, partition snapshot, prompt steps)",
+        ("self", "partition_id", "sampleable_keys", "batch_size"),
+        returns="tuple[list[str], dict[str, dict], dict[str, int]]",
+    ),
+    Contact(
+        _BUFFER,
+        "ReplayBufferAsync._wait_for_next_poll",
+        ("hetero",),
+        "override: install arrived weights while the learner waits",
+        ("self", "partition_id", "last_debug_time"),
+    ),
+    # verl's metric container: GEPO's *_max/*_min/by-lag metrics are re-wrapped with another aggregation
+    Contact(
+        "verl.utils.metric",
+        "Metric.__init__",
+        ("metric_aggregation",),
+        "read .values, call Metric(aggregation).extend(values)",
+        ("self", "aggregation", "value"),
+        source_marker="self.values",
+    ),
+    # patches (patches/*.py): each replaces exactly one of these
+    Contact(
+        _SERVER,
+        "LLMServerClient._acquire_server",
+        ("server_identity",),
+        "wrap: remember which server answered",
+        ("self",),
+    ),
+    Contact(_SERVER, "LLMServerClient.generate", ("server_identity",), "wrap: tag the output", ("self",)),
+    Contact(_SERVER, "FullyAsyncLLMServerClient.generate", ("server_identity",), "wrap: tag the output", ("self",)),
+    Contact(
+        "verl.trainer.ppo.v1.trainer_separate_async",
+        "logger",
+        ("hybrid_engine_off",),
+        "replace: a logger that accepts logger.info(..., flush=True)",
+    ),
+    Contact(
+        "verl.utils.distributed",
+        "initialize_global_process_group_ray",
+        ("cpu_backend",),
+        "replace: backend cpu:gloo on the cpu device",
+        ("timeout_second", "backend"),
+    ),
+    Contact(
+        "verl.workers.engine_workers",
+        "initialize_global_process_group_ray",
+        ("cpu_backend",),
+        "replace: the same function, imported by name",
+        ("timeout_second", "backend"),
+    ),
+    # CPU backend registrations through private registries
+    Contact("verl.workers.rollout.base", "_ROLLOUT_REGISTRY", ("cpu_backend",), "write: the hf rollout adapter"),
+    Contact("verl.workers.rollout.replica", "RolloutReplicaRegistry._registry", ("cpu_backend",), "read: name taken?"),
+    Contact("verl.workers.engine.base", "EngineRegistry._engines", ("cpu_backend",), "read: cpu engines registered?"),
+    Contact(
+        "verl.checkpoint_engine.base",
+        "CheckpointEngineRegistry._registry",
+        ("cpu_backend",),
+        "read: ray_mailbox registered?",
+    ),
+    Contact(
+        "verl.workers.rollout.replica",
+        "RolloutReplica.__init__",
+        ("cpu_backend",),
+        "write: the hf replica sets self._server_handle / self._server_address in launch_servers",
+        source_marker="self._server_address",
+    ),
+)
+
+#: Contacts by their :attr:`Contact.name`.
+BY_NAME: dict[str, Contact] = {contact.name: contact for contact in CONTACTS}
+
+
+def installed_version(package: str) -> str | None:
+    """Installed version of a distribution (None when absent); cheap, imports nothing."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def untested_packages() -> dict[str, str]:
+    """Packages whose installed version was not tested, as ``{package: version}``."""
+    out = {}
+    for package, tested in TESTED_VERSIONS.items():
+        version = installed_version(package)
+        if version is not None and version not in tested:
+            out[package] = version
+    return out
+
+
+def features_of(package: str) -> list[str]:
+    """Features resting on private names of ``package``."""
+    return sorted({feature for c in CONTACTS if c.package == package for feature in c.features})
+
+
+def untested_warning() -> str | None:
+    """The single warning for untested package versions (None when everything was tested)."""
+    untested = untested_packages()
+    if not untested:
+        return None
+    parts = []
+    for package, version in untested.items():
+        features = ", ".join(features_of(package))
+        tested = ", ".join(TESTED_VERSIONS[package])
+        parts.append(f"{package} {version} (tested: {tested}); features using its internals: {features}")
+    return (
+        "gepo-plugin was not tested with " + "; ".join(parts) + ". Each of those features checks the internals it "
+        "needs when it starts and refuses with a message if one is missing; GEPO's loss and estimators use only "
+        "public hooks. `python -m gepo_plugin doctor` lists every internal and its status."
+    )
+
+
+_WARNED = False
+
+
+def warn_if_untested() -> None:
+    """Log :func:`untested_warning` once per process (run at registration)."""
+    global _WARNED
+    message = untested_warning()
+    if message and not _WARNED:
+        _WARNED = True
+        logger.warning(message)
+
+
+def _lookup(contact: Contact) -> tuple[Any, str, Any]:
+    """(owner object, attribute name, value) of a contact; raises ImportError/AttributeError."""
+    owner: Any = importlib.import_module(contact.module)
+    *path, attribute = contact.qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    value = inspect.getattr_static(owner, attribute) if inspect.isclass(owner) else getattr(owner, attribute)
+    if isinstance(value, staticmethod | classmethod):
+        value = value.__func__
+    return owner, attribute, value
+
+
+def _annotation(fn: Callable) -> str:
+    annotation = inspect.signature(fn).return_annotation
+    return annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+
+
+def _problem(contact: Contact) -> str | None:
+    """Why ``contact`` is unusable in this process, or None if it has the expected shape."""
+    try:
+        _, _, value = _lookup(contact)
+    except ImportError as error:
+        return f"module {contact.module} cannot be imported ({type(error).__name__}: {error})"
+    except AttributeError:
+        return "missing"
+    fn = inspect.unwrap(value) if callable(value) else None
+    if contact.params is not None:
+        if fn is None:
+            return f"not callable (a {type(value).__name__})"
+        try:
+            names = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            return "signature unreadable"
+        if names[: len(contact.params)] != contact.params:
+            return f"parameters changed: expected {contact.params}, found {names}"
+    if contact.returns is not None and fn is not None and _annotation(fn) != contact.returns:
+        return f"return layout changed: expected {contact.returns}, found {_annotation(fn)}"
+    if contact.source_marker is not None:
+        try:
+            source = inspect.getsource(fn if fn is not None else value)
+        except (OSError, TypeError):
+            return "source unavailable to check"
+        if contact.source_marker not in source:
+            return f"no longer contains {contact.source_marker!r}"
+    return None
+
+
+@cache
+def problem(name: str) -> str | None:
+    """Cached :func:`_problem` of the contact called ``name`` (imports its module once)."""
+    return _problem(BY_NAME[name])
+
+
+def feature_problems(feature: str) -> dict[str, str]:
+    """``{contact name: problem}`` for every unusable contact of ``feature`` (empty: the feature can start)."""
+    if feature not in FEATURES:
+        raise KeyError(f"unknown feature {feature!r}; known: {sorted(FEATURES)}")
+    out = {}
+    for contact in CONTACTS:
+        if feature in contact.features:
+            found = problem(contact.name)
+            if found is not None:
+                out[contact.name] = found
+    return out
+
+
+def require(*features: str) -> None:
+    """Raise :class:`SeamError` unless every contact of every named feature is usable."""
+    lines = []
+    for feature in features:
+        for name, found in feature_problems(feature).items():
+            lines.append(f"  - {feature} ({FEATURES[feature]}): {name}: {found}")
+    if lines:
+        versions = ", ".join(f"{p} {installed_version(p)}" for p in TESTED_VERSIONS)
+        tested = ", ".join(f"{p} {'/'.join(v)}" for p, v in TESTED_VERSIONS.items())
+        raise SeamError(
+            "gepo-plugin cannot start these features, because internals of verl they rely on are missing or have "
+            f"changed (installed: {versions}; tested: {tested}):\n" + "\n".join(lines) + "\nFix: install a tested "
+            "version (pip install 'verl==0.9.1'), or switch the feature off; `python -m gepo_plugin doctor` shows "
+            "every internal the plugin uses."
+        )
+
+
+def resolve(name: str) -> Any:
+    """The object behind contact ``name``, after checking its shape (raises :class:`SeamError`)."""
+    contact = BY_NAME[name]
+    found = problem(name)
+    if found is not None:
+        require(*contact.features)
+    return _lookup(contact)[2]
+
+
+def replace(name: str, new: Any) -> Any:
+    """Set contact ``name`` to ``new`` (a patch); returns the original, also kept as ``new.__wrapped__``."""
+    original = resolve(name)
+    owner, attribute, _ = _lookup(BY_NAME[name])
+    if callable(new) and not hasattr(new, "__wrapped__"):
+        with contextlib.suppress(AttributeError):
+            new.__wrapped__ = original
+    setattr(owner, attribute, new)
+    return original
+
+
+def report(features: Iterable[str] | None = None) -> list[dict[str, str]]:
+    """One row per contact (optionally only those of ``features``): name, package, features, how, status."""
+    wanted = set(features) if features is not None else None
+    rows = []
+    for contact in CONTACTS:
+        if wanted is not None and not wanted & set(contact.features):
+            continue
+        found = problem(contact.name)
+        rows.append(
+            {
+                "contact": contact.name,
+                "package": contact.package,
+                "features": ", ".join(contact.features),
+                "how": contact.how,
+                "status": "ok" if found is None else found,
+            }
+        )
+    return rows
+
+
+def clear_cache() -> None:
+    """Forget cached checks (tests that change verl's classes call this)."""
+    problem.cache_clear()
