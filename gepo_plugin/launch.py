@@ -111,7 +111,7 @@ def settle(config: DictConfig, explicit: set[str]) -> tuple[DictConfig, list[str
     check_device(settled)
     if OmegaConf.select(settled, "trainer.device") == CPU_PLATFORM:
         apply_settings(settled, cpu_run_settings(settled), explicit)
-    return settled, validate_plugin_config(settled)
+    return settled, validate_plugin_config(settled, explicit)
 
 
 def features_needed(config: DictConfig) -> list[str]:
@@ -214,8 +214,11 @@ def check_before_start(config: DictConfig) -> None:
     from verl.utils.config import validate_config
 
     from gepo_plugin.verl_glue import seam
+    from gepo_plugin.verl_glue.validation import check_paths, check_registered_names
 
+    check_paths(config)
     seam.require(*features_needed(config))
+    check_registered_names(config)
     # verl prints its progress to stdout; keep stdout for what the user asked for (``--cfg job`` pipes YAML)
     with contextlib.redirect_stdout(sys.stderr):
         validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))

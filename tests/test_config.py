@@ -44,7 +44,11 @@ def test_every_family_member_composes_and_passes_verls_validation(name):
 
 
 def test_gepo_preset_selects_the_group_term_trainer_for_each_mode():
-    standalone = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2"]
+    standalone = [
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=2",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+    ]
     for mode in ("sync", "colocate_async", "separate_async"):
         config = composed("algorithm.loss=gepo", f"trainer.v1.trainer_mode={mode}", *standalone)
         assert config.trainer.v1.trainer_mode == f"gepo_{mode}"

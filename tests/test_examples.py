@@ -118,6 +118,10 @@ def printed_overrides(name: str, tmp: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def overrides_by_script(tmp_path_factory) -> dict[str, list[str]]:
     tmp = tmp_path_factory.mktemp("launch")
+    # the launcher checks that the data files exist before anything starts (prepare_math.py would write them)
+    (tmp / "data").mkdir()
+    for name in ("train.parquet", "test.parquet"):
+        (tmp / "data" / name).touch()
     return {name: printed_overrides(name, tmp) for name in LAUNCHES}
 
 

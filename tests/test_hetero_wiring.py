@@ -21,6 +21,7 @@ ASYNC = [
     "actor_rollout_ref.rollout.nnodes=1",
     "actor_rollout_ref.rollout.n_gpus_per_node=1",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
 ]
 
 

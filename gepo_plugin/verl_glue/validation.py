@@ -8,9 +8,14 @@ settings) are returned for the launcher to print.
 
 from __future__ import annotations
 
+import ast
 import difflib
+import importlib.util
 import math
+import os
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -32,6 +37,8 @@ __all__ = ["PluginConfigError", "validate_plugin_config"]
 
 
 ROLLOUT = "actor_rollout_ref.rollout"
+#: Advantage estimators that compare the responses of one prompt (a group of one has no baseline but itself).
+GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "grpo_passk", "bnpo", "delta_l")
 BYPASS_KEY = "algorithm.rollout_correction.bypass_mode"
 #: Devices of verl's own platforms (AMD GPUs are ``cuda`` too) plus the plugin's CPU backend.
 KNOWN_DEVICES = ("cuda", "npu", "cpu")
@@ -130,6 +137,48 @@ def _check_standalone_rollout(config: DictConfig) -> None:
         )
 
 
+def _check_separate_async(config: DictConfig) -> None:
+    """What verl's separate_async trainer asserts in its constructor, checked before Ray starts instead."""
+    if not str(_select(config, TRAINER_MODE_KEY)).endswith("separate_async"):
+        return
+    batch = _select(config, "data.train_batch_size")
+    mini = _select(config, f"{ACTOR}.ppo_mini_batch_size")
+    sync_step = _select(config, "trainer.v1.separate_async.parameter_sync_step")
+    if all(isinstance(v, int) for v in (batch, mini, sync_step)) and batch != sync_step * mini:
+        raise PluginConfigError(
+            f"separate_async needs data.train_batch_size == trainer.v1.separate_async.parameter_sync_step x "
+            f"{ACTOR}.ppo_mini_batch_size, got {batch} != {sync_step} x {mini}: change one of them"
+        )
+    if _select(config, f"{ROLLOUT}.checkpoint_engine.backend") == "naive":
+        raise PluginConfigError(
+            f"{ROLLOUT}.checkpoint_engine.backend=naive works only when rollout and learner share processes; "
+            "separate_async needs nccl, nixl, mooncake (GPU) or ray_mailbox (the CPU backend)"
+        )
+
+
+#: Option blocks that only one setting reads: a value given there while that setting is off would do nothing.
+OWNED_BLOCKS = (
+    ("hetero.", "hetero.enable", True),
+    (f"{BNPO_OPTIONS_KEY}.", "algorithm.adv_estimator", "bnpo"),
+    (f"{DELTA_L_OPTIONS_KEY}.", "algorithm.adv_estimator", "delta_l"),
+    *((f"{GEPO_OPTIONS_KEY}.{name}", f"{ACTOR}.policy_loss.loss_mode", "gepo") for name in GEPOOptions.model_fields),
+)
+
+
+def check_nothing_ignored(config: DictConfig, explicit: set[str]) -> None:
+    """A setting given on the command line that nothing will read is a mistake (e.g. hetero.* without
+    hetero.enable=true): refuse it instead of ignoring it silently."""
+    for prefix, switch, needed in OWNED_BLOCKS:
+        given = sorted(key for key in explicit if key.startswith(prefix) and key != switch)
+        value = _select(config, switch)
+        if given and value != needed:
+            raise PluginConfigError(
+                f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set, but {switch}={value}, so nothing "
+                f"would read {'it' if len(given) == 1 else 'them'}: set {switch}={str(needed).lower()} or remove "
+                f"{'it' if len(given) == 1 else 'them'}"
+            )
+
+
 def _group_size(config: DictConfig) -> int:
     value = _select(config, f"{ROLLOUT}.n", 1)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -176,8 +225,11 @@ def _check_gepo(config: DictConfig, warnings: list[str]) -> None:
         )
 
 
-def validate_plugin_config(config: DictConfig) -> list[str]:
-    """Raise :class:`PluginConfigError` for settings that cannot work; return warnings for odd but legal ones."""
+def validate_plugin_config(config: DictConfig, explicit: set[str] | None = None) -> list[str]:
+    """Raise :class:`PluginConfigError` for settings that cannot work; return warnings for odd but legal ones.
+
+    ``explicit``: the keys the user set on the command line (settings nothing would read are refused).
+    """
     warnings: list[str] = []
     loss = _select(config, "algorithm.loss")
     if loss is not None:
@@ -188,6 +240,8 @@ def validate_plugin_config(config: DictConfig) -> list[str]:
     check_trainer_mode(config)
     _check_clip_range(config)
     _check_standalone_rollout(config)
+    _check_separate_async(config)
+    check_nothing_ignored(config, explicit or set())
     if _select(config, BYPASS_KEY, False) and _select(config, f"{ROLLOUT}.calculate_log_probs") is False:
         raise PluginConfigError(
             f"{BYPASS_KEY}=true uses the sampler's log-probs as the old policy, but {ROLLOUT}.calculate_log_probs="
@@ -197,11 +251,91 @@ def validate_plugin_config(config: DictConfig) -> list[str]:
     if _select(config, f"{ACTOR}.policy_loss.loss_mode", "vanilla") == "gepo":
         _check_gepo(config, warnings)
     estimator = _select(config, "algorithm.adv_estimator")
-    if estimator in ("bnpo", "delta_l"):
+    if estimator in GROUP_ESTIMATORS:
         n = _group_size(config)
         if n < 2:
-            raise PluginConfigError(f"algorithm.adv_estimator={estimator} needs {ROLLOUT}.n >= 2, got {n}")
+            raise PluginConfigError(
+                f"algorithm.adv_estimator={estimator} compares the responses to one prompt, so it needs {ROLLOUT}.n "
+                f">= 2 (got {n}: every advantage would be 0)"
+            )
     for model, key in ((BNPOOptions, BNPO_OPTIONS_KEY), (DeltaLOptions, DELTA_L_OPTIONS_KEY)):
         block = _select(config, key)
         parse_options(model, OmegaConf.to_container(block) if block is not None else None, key, PluginConfigError)
     return warnings
+
+
+#: Files the run reads: a missing one fails only after Ray and the workers started.
+DATA_FILE_KEYS = ("data.train_files", "data.val_files")
+MODEL_PATH_KEY = "actor_rollout_ref.model.path"
+REWARD_FUNCTION = "reward.custom_reward_function"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith(("file://", "pkg://"))
+
+
+def check_paths(config: DictConfig) -> None:
+    """The model, the data files and the reward function exist (remote URLs and Hub ids are not checked)."""
+    model = _select(config, MODEL_PATH_KEY)
+    if isinstance(model, str) and not _is_remote(model):
+        local = os.path.expanduser(model)
+        if not os.path.exists(local) and (
+            os.path.isabs(local) or model.startswith((".", "~")) or not _HUB_ID.match(model)
+        ):
+            raise PluginConfigError(
+                f"{MODEL_PATH_KEY}={model!r} is neither a local folder nor a Hugging Face Hub id (org/name)"
+            )
+    for key in DATA_FILE_KEYS:
+        value = _select(config, key)
+        paths = [value] if isinstance(value, str) else list(value or [])
+        for path in paths:
+            if isinstance(path, str) and not _is_remote(path) and not os.path.exists(os.path.expanduser(path)):
+                raise PluginConfigError(f"{key}: {path!r} does not exist (give the parquet files of your data set)")
+    path, name = _select(config, f"{REWARD_FUNCTION}.path"), _select(config, f"{REWARD_FUNCTION}.name")
+    if not path:
+        return
+    if str(path).startswith("pkg://"):
+        module = str(path)[len("pkg://") :]
+        if importlib.util.find_spec(module) is None:
+            raise PluginConfigError(f"{REWARD_FUNCTION}.path={path!r}: no module {module!r} is installed")
+        return
+    file = os.path.expanduser(str(path))
+    if not os.path.isfile(file):
+        raise PluginConfigError(f"{REWARD_FUNCTION}.path={path!r} does not exist")
+    tree = ast.parse(Path(file).read_text(encoding="utf-8"), filename=file)
+    defined = {
+        node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    } | {
+        target.id
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    defined |= {
+        alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom) for alias in node.names
+    }
+    if name and name not in defined:
+        close = difflib.get_close_matches(str(name), sorted(defined), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise PluginConfigError(f"{REWARD_FUNCTION}.name={name!r} is not defined in {path}{hint}")
+
+
+def check_registered_names(config: DictConfig) -> None:
+    """The policy loss and the advantage estimator are registered with verl (verl looks them up only in the
+    workers, at the first update)."""
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY, AdvantageEstimator
+
+    checks = (
+        (f"{ACTOR}.policy_loss.loss_mode", set(POLICY_LOSS_REGISTRY)),
+        ("algorithm.adv_estimator", set(ADV_ESTIMATOR_REGISTRY) | {e.value for e in AdvantageEstimator}),
+    )
+    for key, known in checks:
+        value = _select(config, key)
+        if value is not None and value not in known:
+            close = difflib.get_close_matches(str(value), sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise PluginConfigError(
+                f"{key}={value!r} is not registered with verl{hint}; valid: {', '.join(sorted(known))}"
+            )

@@ -1,0 +1,129 @@
+"""Every mistake stops at start-up, before Ray, naming the key (the launcher's real code path, in this process).
+
+Each case is a valid tiny command line plus one mistake. The launcher must exit with status 2 and a message that
+names the key, before it composes the run (so before Ray or anything else starts), and a valid command must get
+through every check.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gepo_plugin import main_ppo
+from gepo_plugin.tiny import write_all
+
+ASYNC = [
+    "trainer.v1.trainer_mode=separate_async",
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=2",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+    "trainer.v1.separate_async.parameter_sync_step=1",
+]
+HETERO = [*ASYNC, "hetero.enable=true"]
+
+# (name, mistake overrides, text the message must contain)
+MISTAKES = [
+    ("string read as boolean: no", ["hetero.enable=no"], "hetero.enable='no'"),
+    ("string read as boolean: off", ["hetero.enable=off"], "hetero.enable='off'"),
+    ("verl boolean given a string", ["algorithm.norm_adv_by_std_in_grpo=no"], "algorithm.norm_adv_by_std_in_grpo"),
+    ("non-finite clip", ["actor_rollout_ref.actor.clip_ratio_high=nan"], "clip_ratio_high=nan"),
+    ("infinite clip", ["actor_rollout_ref.actor.clip_ratio_low=inf"], "clip_ratio_low=inf"),
+    ("non-finite coefficient", ["actor_rollout_ref.actor.policy_loss.sampler_kl_coef=inf"], "sampler_kl_coef=inf"),
+    ("cap out of range", ["actor_rollout_ref.actor.policy_loss.log_ratio_cap=0"], "log_ratio_cap=0"),
+    (
+        "non-finite delay",
+        [*HETERO, "hetero.delay.distribution=constant", "hetero.delay.seconds=inf"],
+        "hetero.delay.seconds=inf",
+    ),
+    (
+        "non-numeric delay",
+        [*HETERO, "hetero.delay.distribution=constant", "hetero.delay.seconds=abc"],
+        "hetero.delay.seconds='abc'",
+    ),
+    ("delay without a distribution", [*HETERO, "hetero.delay.seconds=5"], "distribution=none"),
+    (
+        "loss preset contradicted",
+        ["actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"],
+        "algorithm.loss=gepo sets actor_rollout_ref.actor.policy_loss.loss_mode=gepo",
+    ),
+    ("device typo", ["trainer.device=cpuu"], "trainer.device='cpuu'"),
+    (
+        "GEPO without sampler log-probs",
+        ["actor_rollout_ref.rollout.calculate_log_probs=false"],
+        "actor_rollout_ref.rollout.calculate_log_probs",
+    ),
+    ("sampler groups do not add up", [*HETERO, "hetero.sampler_groups=[2,1]"], "hetero.sampler_groups=[2, 1] covers 3"),
+    ("trainer mode typo", ["trainer.v1.trainer_mode=separate_asynch"], "did you mean 'separate_async'"),
+    ("unknown loss", ["algorithm.loss=gepoo"], "did you mean 'gepo'"),
+    ("hetero outside separate_async", ["hetero.enable=true"], "trainer.v1.trainer_mode=separate_async"),
+    ("hetero option without hetero", ["hetero.max_lag=2"], "set hetero.enable=true"),
+    ("bnpo option without bnpo", ["algorithm.bnpo.reward_max=2"], "algorithm.bnpo.reward_max is set"),
+    ("bad group scope", ["actor_rollout_ref.actor.policy_loss.group_scope=group"], "group_scope='group'"),
+    ("one response per prompt", ["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n=1"),
+    ("bad hetero bound", [*HETERO, "hetero.max_lag=-1"], "hetero.max_lag=-1"),
+    ("bad hetero strategy", [*HETERO, "hetero.strategy=dropp"], "hetero.strategy='dropp'"),
+    (
+        "margin beyond the bound",
+        [*HETERO, "hetero.max_lag=2", "hetero.admission_margin=3"],
+        "admission_margin (3) > max_lag (2)",
+    ),
+    ("hetero with verl's own bound", [*HETERO, "trainer.v1.sampler.max_off_policy_threshold=4"], "max_off_policy"),
+    ("separate_async without samplers", ["trainer.v1.trainer_mode=separate_async"], "rollout.nnodes=0"),
+    ("separate_async batch sizes", [*ASYNC, "trainer.v1.separate_async.parameter_sync_step=2"], "parameter_sync_step"),
+    ("naive weight sync for separate_async", [*ASYNC[:-2], ASYNC[-1]], "checkpoint_engine.backend=naive"),
+    ("missing data file", ["data.train_files=/nonexistent/train.parquet"], "data.train_files"),
+    ("missing model", ["actor_rollout_ref.model.path=/nonexistent/model"], "actor_rollout_ref.model.path"),
+    ("reward function typo", ["reward.custom_reward_function.name=compute_scor"], "did you mean 'compute_score'"),
+    ("unregistered loss mode", ["algorithm.loss=null", "actor_rollout_ref.actor.policy_loss.loss_mode=gepoo"], "gepoo"),
+    ("unknown estimator", ["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator='grpoo'"),
+    ("verl's own check", ["data.train_batch_size=3"], "verl's config check failed"),
+]
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory) -> list[str]:
+    """A valid tiny GEPO command line (GPU defaults; nothing is run)."""
+    paths = write_all(tmp_path_factory.mktemp("tiny"))
+    return [
+        "algorithm.loss=gepo",
+        f"data.train_files={paths['train_files']}",
+        f"data.val_files={paths['val_files']}",
+        "data.train_batch_size=4",
+        f"actor_rollout_ref.model.path={paths['model']}",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        f"reward.custom_reward_function.path={paths['reward_path']}",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.n_gpus_per_node=2",
+    ]
+
+
+def launch(argv: list[str], monkeypatch) -> None:
+    """The CLI's first pass only: a valid config stops right before Hydra's second pass (which would run it)."""
+    monkeypatch.setattr(main_ppo, "_run", lambda: (_ for _ in ()).throw(SystemExit(0)))
+    main_ppo.main(argv)
+
+
+@pytest.mark.parametrize(("name", "mistake", "expected"), MISTAKES, ids=[case[0] for case in MISTAKES])
+def test_each_mistake_stops_at_start_up_naming_the_key(name, mistake, expected, valid, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as stop:
+        launch([*valid, *mistake], monkeypatch)
+    err = capsys.readouterr().err
+    assert stop.value.code == main_ppo.CONFIG_ERROR_EXIT, err
+    assert "gepo-plugin: configuration error" in err and expected in err, err
+
+
+def test_the_valid_commands_pass_every_check(valid, monkeypatch, capsys):
+    for extra in ([], HETERO, [*HETERO, "hetero.delay.distribution=constant", "hetero.delay.seconds=2"]):
+        with pytest.raises(SystemExit) as stop:
+            launch([*valid, *extra], monkeypatch)
+        assert stop.value.code == 0, capsys.readouterr().err
+
+
+def test_hydra_grammar_errors_also_exit_non_zero(valid, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as stop:
+        launch([*valid, "hetero.maxlag=3"], monkeypatch)  # not a key of the config
+    assert stop.value.code != 0 and "maxlag" in capsys.readouterr().err
