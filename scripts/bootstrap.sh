@@ -2,7 +2,7 @@
 # Idempotent set-up of the git-ignored virtual environment at .venv (repository root).
 # Installs the CPU build of torch 2.13 (the machine's local wheel: no multi-GB CUDA download),
 # then gepo-plugin in editable mode with verl[verl-core] and the test/lab extras.
-# Re-running is a no-op unless pyproject.toml changed.
+# Re-running is a no-op unless pyproject.toml or scripts/constraints.txt changed.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -12,15 +12,14 @@ if [ ! -x .venv/bin/python ]; then
   "$python_bin" -m venv .venv
 fi
 stamp=.venv/.gepo-plugin-installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml scripts/constraints.txt | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import gepo_plugin, verl" 2>/dev/null; then
   exit 0
 fi
 echo "[bootstrap] installing torch (CPU), verl[verl-core] and gepo-plugin into .venv (a few minutes, once)"
 .venv/bin/python -m pip install --quiet --upgrade pip
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/python -m pip install --quiet "torch==2.13.0"
-fi
-.venv/bin/python -m pip install --quiet -e ".[test,lab]"
+# scripts/constraints.txt pins the local CPU torch for every install below, so nothing can replace it
+.venv/bin/python -m pip install --quiet -c scripts/constraints.txt torch
+.venv/bin/python -m pip install --quiet -c scripts/constraints.txt -e ".[test,lab]"
 echo "$want" > "$stamp"
 echo "[bootstrap] done"

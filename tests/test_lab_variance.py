@@ -167,3 +167,23 @@ def test_main_standalone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert v.main(["--out", str(tmp_path), "--grid-points", "5"]) == 0
     assert "fraction where GEPO variance is higher" in capsys.readouterr().out
     assert json.loads((tmp_path / "variance_summary.json").read_text())["grid_points"] == 5
+
+
+def test_without_matplotlib_the_results_are_written_and_the_plots_skipped_with_one_notice(tmp_path):
+    """The [lab] extra is optional: say so before the work starts, write every result, skip only the PNGs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # as if matplotlib were not installed
+        "from gepo_plugin.lab.cli import main\n"
+        f"raise SystemExit(main(['variance', '--grid-points', '8', '--out', {str(tmp_path)!r}]))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("matplotlib is not installed") == 1 and "gepo-plugin[lab]" in result.stderr
+    notice, computing = result.stderr.index("matplotlib is not installed"), result.stderr.index("bernoulli")
+    assert notice < computing  # said before any work
+    written = {path.name for path in tmp_path.iterdir()}
+    assert {"variance_summary.json", "variance_table.md", "variance_bernoulli.csv"} <= written
+    assert not any(name.endswith(".png") for name in written)

@@ -66,7 +66,7 @@ DELAY_HIGH="${DELAY_HIGH:-1920}"
 DELAY_CONFIDENCE="${DELAY_CONFIDENCE:-0.995}"
 HETERO_SEED="${HETERO_SEED:-0}"
 
-# ---- GEPO paper settings (shared/notes/gepo-method.md) ----
+# ---- GEPO paper settings (arXiv 2508.17850, https://arxiv.org/abs/2508.17850) ----
 SAMPLER_KL_COEF="${SAMPLER_KL_COEF:-0.005}"
 PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-32}"
 GROUP_SIZE="${GROUP_SIZE:-8}"

@@ -76,6 +76,7 @@ from typing import Any
 
 import numpy as np
 
+from gepo_plugin.lab.plots import plots_available
 from gepo_plugin.lab.stability_sim import METHODS, OWN_WEIGHT
 
 STRATEGIES = ("wait", "drop")
@@ -387,6 +388,7 @@ def run_stability(
             raise StabilityConfigError(f"ray_cpus must be >= 1, got {ray_cpus}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    draw = plots_available()
     started = time.perf_counter()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
@@ -475,11 +477,12 @@ def run_stability(
             "time_scale. The lag bound and the ledger are asserted as in the simulation.",
         }
     _write_csvs(out_dir, records)
-    _plot(out_dir, records, methods, lags)
     (out_dir / "stability_table.md").write_text(markdown_table(summary))
     timing["total"] = time.perf_counter() - started
     summary["timing"] = timing
     (out_dir / "stability_summary.json").write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
+    if draw:  # the results are on disk before any plot is attempted
+        _plot(out_dir, records, methods, lags)
     return summary
 
 

@@ -18,10 +18,9 @@ What is modelled, and what is not:
   estimated from the sequences of one group, which adds its own noise; that noise is not here.
 * The weight ``p/E_q[q]`` is biased: ``E_q[p/E_q q] = E_q[p]/E_q[q]``, which is not 1 unless
   ``p = q`` (and not even then in general). Figure 2 compares variances only, and so do we.
-* "Theorem 1" below means the statement as summarised in the project notes ("the paper's
-  Theorem 1 bounds the gap ``Var_q[p/q] - Var_q[p/E_q q]`` below by ``exp(KL) - C``"). The
-  paper itself was not available while writing this module, so its exact hypotheses and its
-  constant ``C`` are *not* reproduced. What we compute instead is the smallest constant ``C*``
+* "Theorem 1" below means the paper's statement in the form "the gap ``Var_q[p/q] - Var_q[p/E_q q]``
+  is bounded below by ``exp(KL) - C``" (arXiv 2508.17850, Section 3). Its exact hypotheses and its
+  constant ``C`` are *not* reproduced here. What we compute instead is the smallest constant ``C*``
   for which ``gap >= exp(KL) - C*`` holds on the grid that was evaluated (an empirical,
   grid-dependent quantity), plus, for the Gaussian family, the exact supremum over all means.
 
@@ -43,13 +42,15 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from gepo_plugin.lab.plots import plots_available
+
 FloatArray = NDArray[np.float64]
 
 BERNOULLI_RANGE: tuple[float, float] = (0.05, 0.95)
-"""Grid range for the Bernoulli parameters ``a`` (of ``p``) and ``b`` (of ``q``), as in the notes."""
+"""Grid range for the Bernoulli parameters ``a`` (of ``p``) and ``b`` (of ``q``), as in the paper's Figure 2."""
 
 GAUSSIAN_RANGE: tuple[float, float] = (-1.0, 1.0)
-"""Grid range for the Gaussian means ``a`` (of ``p``) and ``b`` (of ``q``), as in the notes."""
+"""Grid range for the Gaussian means ``a`` (of ``p``) and ``b`` (of ``q``), as in the paper's Figure 2."""
 
 GAUSSIAN_C_STAR: float = 2.0 / math.sqrt(3.0)
 """Exact ``sup_{a,b} [exp(KL) - gap]`` for unit-variance Gaussians; see :func:`gaussian_bound_residual`."""
@@ -319,7 +320,7 @@ def summarise_family(res: FamilyResult) -> dict[str, Any]:
     * ``kl_min_is_higher``: smallest KL at which ``p/q`` already has the higher variance; together
       with the previous key it shows how the two regions overlap in KL (for the Bernoulli family
       the sign of the gap is not a function of KL alone).
-    * ``max_excess_gepo``: largest ``var_gepo - var_is``, to check the notes' "slightly higher"
+    * ``max_excess_gepo``: largest ``var_gepo - var_is``, to check the paper's "slightly higher"
       (a relative excess is not reported: ``var_is`` is exactly 0 on the diagonal).
     * ``c_star`` and ``c_star_at``: the Theorem-1-style constant (see :func:`bound_constant`).
     * ``median_ratio_kl_gt_<k>``: median of ``var_gepo / var_is`` over cells with ``KL > k``.
@@ -481,6 +482,7 @@ def run_variance(out_dir: Path, grid_points: int = 50, progress: bool = True) ->
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    draw = plots_available()
 
     def say(msg: str) -> None:
         if progress:
@@ -495,13 +497,14 @@ def run_variance(out_dir: Path, grid_points: int = 50, progress: bool = True) ->
             "c_star": "max over grid of exp(KL) - gap (smallest C with gap >= exp(KL) - C on the grid)",
         },
     }
+    results = {}
     for family in ("bernoulli", "gaussian"):
         say(f"{family}: {grid_points}x{grid_points} grid")
         res = compute_family(family, grid_points)
         fam = summarise_family(res)
         summary[family] = fam
+        results[family] = res
         write_csv(res, out_dir / f"variance_{family}.csv")
-        plot_family(res, fam["c_star"], out_dir / f"figure2_{family}.png")
         say(
             f"{family}: GEPO higher on {fam['fraction_gepo_higher']:.3f} of cells "
             f"(KL up to {_fmt(fam['kl_range_gepo_higher'][1] if fam['kl_range_gepo_higher'] else None)}), "
@@ -509,6 +512,9 @@ def run_variance(out_dir: Path, grid_points: int = 50, progress: bool = True) ->
         )
     (out_dir / "variance_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out_dir / "variance_table.md").write_text(markdown_table(summary))
+    if draw:  # the results are on disk before any plot is attempted
+        for family, res in results.items():
+            plot_family(res, summary[family]["c_star"], out_dir / f"figure2_{family}.png")
     say(f"wrote {out_dir}")
     return summary
 

@@ -1,0 +1,35 @@
+"""What `pip install gepo-plugin` users get: their own description, the licence, and an sdist whose tests run."""
+
+from __future__ import annotations
+
+import re
+import tarfile
+from email.parser import Parser
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_sdist_carries_the_licence_the_test_helpers_and_a_pip_users_description(tmp_path):
+    from setuptools import build_meta
+
+    archive = tmp_path / build_meta.build_sdist(str(tmp_path))
+    with tarfile.open(archive) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+        info = Parser().parsestr(
+            tar.extractfile(next(n for n in tar.getnames() if n.endswith("/PKG-INFO"))).read().decode()
+        )
+    test_files = {name for name in names if name.startswith("tests/")}
+    imported = {
+        f"tests/{module}.py"
+        for path in (ROOT / "tests").glob("*.py")
+        for module in re.findall(r"^from (\w+) import", path.read_text(), re.M)
+        if (ROOT / "tests" / f"{module}.py").exists()
+    }
+    assert {"tests/conftest.py", "tests/reference.py"} | imported <= test_files  # the tests' own helpers
+    assert {"LICENSE", "gepo_plugin/config/gepo_trainer.yaml"} <= names
+    assert info["License-Expression"] == "Apache-2.0" and "Apache License" in (ROOT / "LICENSE").read_text()
+    description = info.get_payload()
+    assert not description.lstrip().startswith("```") and "bash run.sh" not in description  # not the repo README
+    assert 'pip install "gepo-plugin[math]"' in description and "python -m gepo_plugin doctor" in description
+    assert not re.search(r"\]\((?!https?://)[^)]+\)", description), "links must be absolute for PyPI"
