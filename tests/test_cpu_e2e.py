@@ -6,12 +6,18 @@ Each run starts Ray, verl's FSDP2 workers over gloo, the transformers rollout an
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from gepo_plugin.tiny import cpu_run_overrides, run_cpu_training, write_all
 
@@ -66,6 +72,41 @@ def test_gepo_sync_changes_the_actor_weights_and_saves_a_checkpoint(gepo_sync_ru
     assert common, (list(initial)[:3], list(trained)[:3])
     change = sum(float((trained[k].float() - initial[k].float()).abs().sum()) for k in common)
     assert change > 0, "the actor's weights did not change over 3 steps"
+
+
+def _task_runner_config(log: str) -> dict:
+    """The config verl's TaskRunner printed (``pprint`` of the resolved config) in a run's console output."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", log)  # Ray colours the actor prefix
+    prefix = re.compile(r"^.*?\(TaskRunnerV1 pid=\d+[^)]*\) ?")
+    lines = [prefix.sub("", line) for line in plain.splitlines() if "TaskRunnerV1" in line]
+    start = next(i for i, line in enumerate(lines) if line.startswith("{'"))
+    for end in range(start + 1, len(lines) + 1):
+        try:
+            return ast.literal_eval("\n".join(lines[start:end]))
+        except (SyntaxError, ValueError):
+            continue
+    raise AssertionError("no config printed by the TaskRunner")
+
+
+def test_cfg_job_prints_exactly_the_config_verls_trainer_received(gepo_sync_run):
+    """What ``--cfg job --resolve`` prints for a command line is what verl's TaskRunner received when the same
+    command line ran (the TaskRunner only switches TransferQueue on, as it does for every run)."""
+    overrides = gepo_sync_run["overrides"]
+    printed = subprocess.run(
+        [sys.executable, "-m", "gepo_plugin.main_ppo", *overrides, "--cfg", "job", "--resolve"],
+        cwd=gepo_sync_run["workdir"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    shown = yaml.safe_load(printed.stdout)
+    received = _task_runner_config(gepo_sync_run["log"])
+    shown["transfer_queue"]["enable"] = True
+    assert shown == received
+    assert received["trainer"]["v1"]["trainer_mode"] == "gepo_sync"  # the preset's part, not only the user's
+    assert received["actor_rollout_ref"]["actor"]["policy_loss"]["loss_mode"] == "gepo"
 
 
 def test_gepo_sync_resumes_from_its_checkpoint_at_the_right_step(gepo_sync_run):
