@@ -297,11 +297,11 @@ def test_random_interleavings_keep_the_bound_and_the_books(clean):
     [
         ({"max_lag": -1}, "max_lag"),
         ({"strategy": "sometimes"}, "strategy"),
-        ({"delay": {"distribution": "gamma"}}, "unknown delay distribution"),
+        ({"delay": {"distribution": "gamma"}}, r"hetero\.delay\.distribution='gamma'"),
         ({"delay": {"distribution": "lognormal", "low": 1920, "high": 60}}, "low"),
         ({"delay": {"distribution": "lognormal", "low": 60, "high": 1920, "mu": 1.0}}, "either the interval"),
         ({"sampler_groups": [2, 0]}, "sampler_groups"),
-        ({"bogus": 1}, "unknown hetero option"),
+        ({"bogus": 1}, r"hetero\.bogus: unknown option"),
         ({"max_lag": 0, "strategy": "wait", "admission_margin": 1}, "admission_margin"),
     ],
 )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from gepo_plugin.hetero.settings import HETERO_KEY, HeteroSettings, parse_hetero, rollout_replica_count
+from gepo_plugin.hetero.settings import HETERO_KEY, HeteroSettings, parse_hetero
 from gepo_plugin.names import GEPO_TRAINER_FOR_MODE, HETERO_TRAINER
 from gepo_plugin.patches.server_identity import ENV as SERVER_ID_ENV
 from gepo_plugin.verl_glue.errors import PluginConfigError
@@ -56,9 +56,6 @@ def apply_hetero(config: DictConfig, explicit: set[str] | None = None) -> Hetero
             f"hetero.enable=true replaces verl's {', '.join(given)} with the exact bound hetero.max_lag (in weight "
             "versions) and hetero.strategy: remove the former and set the latter"
         )
-    settings.group_sizes(
-        *rollout_replica_count(config.actor_rollout_ref.rollout)
-    )  # sampler_groups / group_delays must fit the replicas verl will start
     # the sampler reads the block itself (an interpolation: `--cfg job` shows where its settings come from)
     OmegaConf.update(config, f"{SAMPLER}.sampler_kwargs", "${" + HETERO_KEY + "}", force_add=True)
     # every Ray process tags rollouts with their server (patches/server_identity.py): per-group throughput

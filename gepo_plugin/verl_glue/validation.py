@@ -156,6 +156,16 @@ def _check_separate_async(config: DictConfig) -> None:
         )
 
 
+def _check_hetero_layout(config: DictConfig) -> None:
+    """``hetero.sampler_groups`` / ``group_delays`` must fit the rollout replicas verl will start (checked on the
+    settled config: the CPU backend sets the rollout's parallel size)."""
+    from gepo_plugin.hetero.settings import parse_hetero, rollout_replica_count
+
+    settings = parse_hetero(_select(config, "hetero"))
+    if settings.enable:
+        settings.group_sizes(*rollout_replica_count(config.actor_rollout_ref.rollout))
+
+
 #: Option blocks that only one setting reads: a value given there while that setting is off would do nothing.
 OWNED_BLOCKS = (
     ("hetero.", "hetero.enable", True),
@@ -242,6 +252,7 @@ def validate_plugin_config(config: DictConfig, explicit: set[str] | None = None)
     _check_standalone_rollout(config)
     _check_separate_async(config)
     check_nothing_ignored(config, explicit or set())
+    _check_hetero_layout(config)
     if _select(config, BYPASS_KEY, False) and _select(config, f"{ROLLOUT}.calculate_log_probs") is False:
         raise PluginConfigError(
             f"{BYPASS_KEY}=true uses the sampler's log-probs as the old policy, but {ROLLOUT}.calculate_log_probs="

@@ -1,0 +1,180 @@
+"""Every staleness decision of HeteroRL, made in one framework-free place for every caller.
+
+verl's replay buffer (:class:`gepo_plugin.verl_glue.hetero.replay_buffer.HeteroReplayBuffer`, over TransferQueue)
+and the CPU lab's simulator (:mod:`gepo_plugin.lab.stability_sim`) are thin adapters: they report events (a group
+finished with the versions of its oldest and newest token, a group failed, the learner is about to train version
+``v``) and carry out what :class:`StalenessCore` decides:
+
+* **admission**: may a sampler holding version ``w`` start a rollout? (:meth:`StalenessCore.may_start`);
+* **eviction**, with a reason: ``failed``, ``stale`` (``drop``: lag would exceed ``max_lag``), ``stale_overflow``
+  (``wait``: more urgent groups finished than one batch holds, so the excess expired), ``mixed_versions``
+  (``refuse_mixed_versions``), ``missing_after_resume`` (:meth:`evictions`, :meth:`reconcile`);
+* **waiting**: under ``wait`` the learner does not train version ``v`` while a group still in flight could
+  expire (:meth:`urgent`);
+* **selection order**: oldest weight version first, then the step the prompt was submitted at, then the id
+  (:meth:`select`);
+* **the books**: every group ever reported is trained, dropped with a reason, or still queued
+  (:class:`~gepo_plugin.hetero.accounting.RolloutLedger`), checked on every transition, saved and restored.
+
+The batch never grows beyond the batch size (verl's trainer expects exactly one batch), so under ``wait`` the
+bound is kept by selecting urgent groups first and evicting what could not fit, never by training it late.
+The definitions of lag and of the bound are :mod:`gepo_plugin.hetero.staleness`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gepo_plugin.hetero.accounting import RolloutLedger
+from gepo_plugin.hetero.staleness import StalenessPolicy, Verdict
+
+#: Eviction reasons (the ledger's ``dropped/<reason>`` counters).
+FAILED = "failed"
+STALE = Verdict.DROP_STALE.value
+OVERFLOW = "stale_overflow"
+MIXED = Verdict.DROP_MIXED.value
+MISSING = "missing_after_resume"
+REASONS: tuple[str, ...] = (STALE, OVERFLOW, MIXED, FAILED, MISSING)
+
+
+class BoundViolation(AssertionError):
+    """A group would be trained with a lag above ``max_lag`` (a bug in an adapter; never silently allowed)."""
+
+
+@dataclass(frozen=True)
+class GroupVersions:
+    """Weight versions of a queued group: its oldest and newest token, and the step its prompt was submitted at."""
+
+    min: int
+    max: int
+    submitted: int
+
+
+class StalenessCore:
+    """The decisions and the books of one learner's rollout queue (see the module docstring)."""
+
+    def __init__(self, policy: StalenessPolicy) -> None:
+        self.policy = policy
+        self.ledger = RolloutLedger()
+        self._groups: dict[str, GroupVersions] = {}
+        self._failed: dict[str, GroupVersions] = {}
+        self.mixed_version_trained = 0
+
+    # ------------------------------------------------------------------ events
+    def known(self, uid: str) -> bool:
+        """Has ``uid`` been reported (and not yet trained or dropped)?"""
+        return uid in self._groups or uid in self._failed
+
+    def finished(self, uid: str, min_version: int, max_version: int, submitted: int = 0) -> None:
+        """A group finished; its tokens came from weight versions ``min_version .. max_version``."""
+        if min_version > max_version:
+            raise ValueError(f"group {uid!r}: min_version {min_version} > max_version {max_version}")
+        self.ledger.produce(uid, int(min_version))
+        self._groups[uid] = GroupVersions(int(min_version), int(max_version), int(submitted))
+
+    def failed(self, uid: str, version_bound: int, submitted: int = 0) -> None:
+        """A group failed (no usable trajectory); it is counted as produced and evicted as ``failed``."""
+        self.ledger.produce(uid, int(version_bound))
+        self._failed[uid] = GroupVersions(int(version_bound), int(version_bound), int(submitted))
+
+    # ------------------------------------------------------------------ decisions
+    def may_start(self, learner_version: int, sampler_version: int) -> bool:
+        """Admission control: may a sampler holding ``sampler_version`` start a rollout now?"""
+        return self.policy.may_start(learner_version, sampler_version)
+
+    def evictions(self, learner_version: int) -> dict[str, str]:
+        """Queued groups that may not be trained at ``learner_version``, with their reason (not yet dropped)."""
+        out = dict.fromkeys(self._failed, FAILED)
+        wait = self.policy.strategy == "wait"
+        for uid, versions in self._groups.items():
+            verdict = self.policy.verdict(learner_version, versions.min, min(versions.max, learner_version))
+            if verdict is Verdict.DROP_STALE:
+                out[uid] = OVERFLOW if wait else STALE
+            elif verdict is Verdict.DROP_MIXED:
+                out[uid] = MIXED
+        return out
+
+    def drop(self, reasons: Mapping[str, str]) -> None:
+        """Evict groups (``uid -> reason``), counting each under its reason."""
+        by_reason: dict[str, list[str]] = {}
+        for uid, reason in reasons.items():
+            by_reason.setdefault(reason, []).append(uid)
+        for reason, uids in by_reason.items():
+            self.ledger.drop(uids, reason)
+            for uid in uids:
+                self._groups.pop(uid, None)
+                self._failed.pop(uid, None)
+
+    def urgent(self, learner_version: int, in_flight_lower_bounds: Mapping[str, int]) -> list[str]:
+        """In-flight groups (``uid -> a version no newer than their oldest token``) that would exceed the bound if
+        the learner trained ``learner_version`` now; under ``wait`` the learner must wait for them."""
+        if self.policy.max_lag is None or self.policy.strategy != "wait":
+            return []
+        deadline = learner_version + 1 - self.policy.max_lag
+        return [uid for uid, bound in in_flight_lower_bounds.items() if bound < deadline]
+
+    def select(self, candidates: Iterable[str], batch_size: int) -> list[str]:
+        """The groups to train: oldest weight version first, then the earliest submission, then the id."""
+        groups = self._groups
+        ordered = sorted(candidates, key=lambda uid: (groups[uid].min, groups[uid].submitted, uid))
+        return ordered[:batch_size]
+
+    def train(self, uids: Iterable[str], learner_version: int) -> np.ndarray:
+        """Record that ``uids`` are trained at ``learner_version``; returns their lags (refuses one above the bound)."""
+        uids = list(uids)
+        versions = [self._groups[uid] for uid in uids]
+        lags = np.array([learner_version - v.min for v in versions], dtype=np.int64)
+        if self.policy.max_lag is not None and lags.size and int(lags.max()) > self.policy.max_lag:
+            raise BoundViolation(f"selected lag {int(lags.max())} > max_lag {self.policy.max_lag}")
+        if lags.size and int(lags.min()) < 0:
+            raise BoundViolation(f"a group is newer than the learner (lag {int(lags.min())})")
+        self.ledger.train(uids)
+        self.mixed_version_trained += sum(v.min != v.max for v in versions)
+        for uid in uids:
+            del self._groups[uid]
+        return lags
+
+    def reconcile(self, present: Iterable[str]) -> list[str]:
+        """After a resume: queued groups the restored queue no longer holds are dropped (``missing_after_resume``)."""
+        present = set(present)
+        missing = [uid for uid in self._groups if uid not in present]
+        self.drop(dict.fromkeys(missing, MISSING))
+        return missing
+
+    # ------------------------------------------------------------------ books
+    @property
+    def queued(self) -> dict[str, GroupVersions]:
+        return dict(self._groups)
+
+    def mixed(self, uids: Iterable[str]) -> int:
+        """How many of the queued ``uids`` span several weight versions."""
+        return sum(self._groups[uid].min != self._groups[uid].max for uid in uids)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "ledger": self.ledger.state_dict(),
+            "groups": {uid: [v.min, v.max, v.submitted] for uid, v in self._groups.items()},
+            "failed": {uid: [v.min, v.max, v.submitted] for uid, v in self._failed.items()},
+            "mixed_version_trained": self.mixed_version_trained,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.ledger = RolloutLedger.from_state_dict(state["ledger"])
+        self._groups = {uid: GroupVersions(*map(int, v)) for uid, v in state["groups"].items()}
+        self._failed = {uid: GroupVersions(*map(int, v)) for uid, v in state.get("failed", {}).items()}
+        self.mixed_version_trained = int(state.get("mixed_version_trained", 0))
+        queued = set(self.ledger.queued_groups())
+        if queued != set(self._groups) | set(self._failed):
+            raise ValueError("hetero state: the ledger's queued groups differ from the recorded versions")
+
+    def metrics(self, prefix: str = "hetero/") -> dict[str, float]:
+        """The books (checked), every reason's counter (0 when unused) and the mixed-version total."""
+        out = self.ledger.metrics(prefix)
+        for reason in REASONS:
+            out.setdefault(f"{prefix}dropped/{reason}", 0.0)
+        out[f"{prefix}mixed_version_groups_total"] = float(self.mixed_version_trained)
+        return out
