@@ -54,7 +54,8 @@ def _message(model: type[BaseModel], error: dict[str, Any], prefix: str) -> str:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return f"{key}: unknown option{hint} Valid options here: {', '.join(valid)}"
     if kind == "value_error":  # a cross-field rule of the model: its own message says what to change
-        return f"{key}: {error['msg'].removeprefix('Value error, ')}"
+        message = error["msg"].removeprefix("Value error, ")
+        return f"{key}: {message}" if key else message
     given = error.get("input")
     fix = _FIXES.get(kind)
     text = f"{key}={given!r}: {error['msg'][0].lower()}{error['msg'][1:]}"

@@ -59,7 +59,12 @@ def test_help_at_every_level_explains_every_option() -> None:
                 assert opt in text, f"{name} --help does not list {opt}"
     stability_help = " ".join(_subparsers(parser)["stability"].format_help().split())
     assert "NOT bit-reproducible" in stability_help and '"mode": "live"' in stability_help
-    assert "--time-scale" in stability_help and "wall-clock seconds per simulated second" in stability_help
+    from gepo_plugin.lab.stability_config import StabilityConfig
+
+    for name, field in StabilityConfig.model_fields.items():  # generated: one option per field, its help the field's
+        option = "--" + name.replace("_", "-")
+        assert option in stability_help, option
+        assert " ".join(field.description.split()) in stability_help, name
 
 
 @pytest.mark.parametrize(
@@ -68,11 +73,12 @@ def test_help_at_every_level_explains_every_option() -> None:
         ([], "required: {stability,variance}"),
         (["simulate"], "invalid choice: 'simulate'"),
         (["stability", "--methods", "ppo"], "invalid choice: 'ppo'"),
-        (["stability", "--lags", "-3", "--out", "/nonexistent/never-written"], "max lags must be integers >= 0"),
+        (["stability", "--lags", "-3", "--out", "/nonexistent/never-written"], "lags are max_lag settings >= 0"),
         (["stability", "--preset", "ci", "--prompts-per-step", "6"], "multiple of groups_per_batch"),
-        (["stability", "--eval-samples", "-1"], "eval_samples must be >= 0"),
-        (["stability", "--time-scale", "0.1"], "only apply with --live"),
-        (["stability", "--live", "--time-scale", "0", "--out", "/nonexistent/never-written"], "time_scale must be > 0"),
+        (["stability", "--eval-samples", "-1"], "eval_samples=-1"),
+        (["stability", "--time-scale", "0.1"], "only apply with live=true"),
+        (["stability", "--live", "--time-scale", "0", "--out", "/nonexistent/never-written"], "time_scale=0.0"),
+        (["stability", "--lr", "nan", "--out", "/nonexistent/never-written"], "lr=nan"),
         (["variance", "--grid-points", "1"], "--grid-points must be >= 2"),
         (["variance", "--grid-points", "many"], "invalid int value: 'many'"),
     ],
@@ -96,58 +102,38 @@ def test_variance_subcommand_runs(tmp_path: Path, capsys) -> None:
     assert summary["bernoulli"]["n_cells"] == 25
 
 
-def test_stability_subcommand_dispatches_every_option(monkeypatch, tmp_path: Path) -> None:
-    """Every stability option reaches ``run_stability`` under the right name (fast: the run is replaced)."""
-    from gepo_plugin.lab import stability
+def test_every_option_reaches_the_config_it_names() -> None:
+    """The generated command line round-trips: a value for every field of the config, given on the command line,
+    is exactly the value of the config the run receives (nothing dropped, renamed or silently defaulted)."""
+    from gepo_plugin.lab.stability import config_from_args
 
-    calls: list[dict[str, Any]] = []
-
-    def fake_run(out_dir: Path, **kwargs: Any) -> dict[str, Any]:
-        calls.append({"out_dir": out_dir, **kwargs})
-        return {"mode": "live" if kwargs.get("live") else "simulated", "aggregate": [], "timing": {"total": 0.0}}
-
-    monkeypatch.setattr(stability, "run_stability", fake_run)
+    parser = _subparsers(cli.build_parser())["stability"]
     argv = [
-        "stability",
-        *("--out", str(tmp_path), "--preset", "ci", "--seeds", "3", "4", "--methods", "gepo", "gspo"),
-        *("--lags", "0", "2", "--rl-steps", "7", "--eval-every", "2", "--lr", "0.002", "--group-size", "4"),
-        *("--prompts-per-step", "12", "--strategy", "drop", "--delay-low", "1", "--delay-high", "9"),
-        *("--sampler-seconds", "1", "3", "--groups-per-batch", "3", "--buffer-groups", "20"),
-        *("--learner-seconds", "0.25", "--eval-samples", "0", "--warm-target", "0.2", "--format-reward", "0.1"),
-        *("--threads", "2", "--no-progress", "--live", "--time-scale", "0.01", "--ray-cpus", "3"),
+        *("--preset", "ci", "--seeds", "3", "4", "--methods", "gepo", "gspo", "--lags", "0", "2"),
+        *("--max-a", "40", "--max-b", "8", "--eval-fraction", "0.3", "--task-seed", "2", "--format-reward", "0.1"),
+        *("--hidden", "32", "--layers", "1", "--heads", "2", "--threads", "2", "--warm-lr", "0.002"),
+        *("--warm-batch", "16", "--warm-target", "0.2", "--warm-max-steps", "50", "--warm-check-every", "5"),
+        *("--rl-steps", "7", "--lr", "0.002", "--lr-warmup-steps", "3", "--group-size", "4"),
+        *("--prompts-per-step", "12", "--groups-per-batch", "3", "--buffer-groups", "20", "--temperature", "0.9"),
+        *("--grad-clip", "0.5", "--clip", "0.3", "--eval-every", "2", "--eval-samples", "0"),
+        *("--sampler-seconds", "1", "3", "--learner-seconds", "0.25", "--delay-low", "1", "--delay-high", "9"),
+        *("--delay-confidence", "0.9", "--strategy", "drop", "--admission-margin", "0"),
+        *("--live", "--time-scale", "0.01", "--ray-cpus", "3"),
     ]
-    assert cli.main(argv) == 0
-    (call,) = calls
-    assert call == {
-        "out_dir": tmp_path,
-        "preset": "ci",
-        "seeds": [3, 4],
-        "methods": ["gepo", "gspo"],
-        "lags": [0, 2],
-        "progress": False,
-        "live": True,
-        "time_scale": 0.01,
-        "ray_cpus": 3,
-        "rl_steps": 7,
-        "eval_every": 2,
-        "lr": 0.002,
-        "group_size": 4,
-        "prompts_per_step": 12,
-        "strategy": "drop",
-        "delay_low": 1.0,
-        "delay_high": 9.0,
-        "sampler_seconds": [1.0, 3.0],
-        "groups_per_batch": 3,
-        "buffer_groups": 20,
-        "learner_seconds": 0.25,
-        "eval_samples": 0,
-        "warm_target": 0.2,
-        "format_reward": 0.1,
-        "threads": 2,
+    config = config_from_args(parser.parse_args(argv)).model_dump()
+    expected = {
+        **dict(seeds=[3, 4], methods=["gepo", "gspo"], lags=[0, 2], max_a=40, max_b=8, eval_fraction=0.3),
+        **dict(task_seed=2, format_reward=0.1, hidden=32, layers=1, heads=2, threads=2, warm_lr=0.002),
+        **dict(warm_batch=16, warm_target=0.2, warm_max_steps=50, warm_check_every=5, rl_steps=7, lr=0.002),
+        **dict(lr_warmup_steps=3, group_size=4, prompts_per_step=12, groups_per_batch=3, buffer_groups=20),
+        **dict(temperature=0.9, grad_clip=0.5, clip=0.3, eval_every=2, eval_samples=0, sampler_seconds=[1.0, 3.0]),
+        **dict(learner_seconds=0.25, delay_low=1.0, delay_high=9.0, delay_confidence=0.9, strategy="drop"),
+        **dict(admission_margin=0, live=True, time_scale=0.01, ray_cpus=3),
     }
-    calls.clear()
-    assert cli.main(["stability", "--out", str(tmp_path)]) == 0
-    assert "live" not in calls[0] and calls[0]["preset"] == "quick"  # simulated by default
+    assert config == expected  # every field set above, none left out (the dict has all of them)
+    assert set(expected) == set(config)
+    quick = config_from_args(parser.parse_args([])).model_dump()
+    assert quick["live"] is False and quick["rl_steps"] == 150  # the quick preset, simulated, by default
 
 
 def test_stability_subcommand_runs_simulated(tmp_path: Path, capsys) -> None:
@@ -193,8 +179,9 @@ def test_live_sampler_tags_versions_and_keeps_its_speed() -> None:
     other = build_policy(task, seed=1)
     sampler = LiveSampler(0, 4.0, 0.05, task, build_policy(task, seed=2), 2, 3, 1.0, 0.0)
     assert sampler.start_run(0, 0, model.state_dict()) == os.getpid()
-    first = sampler.generate(10)
-    assert [grp.group_id for grp in first["groups"]] == ["g10", "g11"]
+    first = sampler.generate(10, submitted=4)
+    assert [grp.group_id for grp in first["groups"]] == ["g00000010", "g00000011"]
+    assert {grp.submitted for grp in first["groups"]} == {4}
     assert {grp.version for grp in first["groups"]} == {0} == {first["version"]}
     sampler.load(5, other.state_dict())
     for name, tensor in other.state_dict().items():
@@ -218,6 +205,7 @@ def test_live_mode_two_samplers(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("ray")
     torch = pytest.importorskip("torch")
     from gepo_plugin.lab import stability, stability_live
+    from gepo_plugin.lab.stability_config import resolve
 
     trained: list[tuple[dict[str, Any], Any]] = []
     original_run = stability_live.LiveCluster.run
@@ -231,23 +219,24 @@ def test_live_mode_two_samplers(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(stability_live.LiveCluster, "run", spy_run)
     started = time.perf_counter()
     rl_steps, max_lag = 6, 1
-    summary = stability.run_stability(
-        tmp_path,
-        preset="ci",
-        methods=["gepo"],
-        lags=[max_lag],
-        live=True,
-        time_scale=0.05,
-        progress=False,
-        rl_steps=rl_steps,
-        eval_every=3,
-        sampler_seconds=(1.0, 2.0),
-        prompts_per_step=8,
-        buffer_groups=24,
-        delay_low=2.0,
-        delay_high=20.0,
-        warm_target=0.1,
+    config = resolve(
+        "ci",
+        dict(
+            methods=["gepo"],
+            lags=[max_lag],
+            live=True,
+            time_scale=0.05,
+            rl_steps=rl_steps,
+            eval_every=3,
+            sampler_seconds=[1.0, 2.0],
+            prompts_per_step=8,
+            buffer_groups=24,
+            delay_low=2.0,
+            delay_high=20.0,
+            warm_target=0.1,
+        ),
     )
+    summary = stability.run_stability(tmp_path, config, "ci", progress=False)
     elapsed = time.perf_counter() - started
 
     assert summary["mode"] == "live" and summary["live"]["reproducible"] is False

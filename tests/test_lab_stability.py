@@ -6,7 +6,6 @@ smaller variant of it, on one torch thread, so the whole module takes about a mi
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("verl")
 
 from gepo_plugin.lab import stability as st  # noqa: E402
+from gepo_plugin.lab.stability_config import StabilityConfigError, resolve  # noqa: E402
 from gepo_plugin.lab.stability_sim import METHODS, MethodSpec  # noqa: E402
 from gepo_plugin.lab.stability_task import build_task, rewards_for  # noqa: E402
+
+
+def run_lab(out: Path, preset: str = "ci", **overrides: Any) -> dict[str, Any]:
+    return st.run_stability(out, resolve(preset, overrides), preset, progress=False)
+
 
 #: Required rise of held-out pass@1 from the warm start to the last eval, for at least one method at lag 0.
 #: Measured with the ci preset and seed 0: grpo +0.045, gepo +0.047 (seeds 1 and 2 gave grpo +0.053, +0.058),
@@ -28,7 +33,7 @@ LEARNING_MARGIN = 0.03
 @pytest.fixture(scope="module")
 def ci_run(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("stability_ci")
-    return out, st.run_stability(out, preset="ci", progress=False)
+    return out, run_lab(out)
 
 
 def test_learning_happens_on_policy(ci_run) -> None:
@@ -43,9 +48,7 @@ def test_learning_happens_on_policy(ci_run) -> None:
 
 def test_zero_learning_rate_does_not_improve(tmp_path: Path) -> None:
     """The control for the test above: with lr = 0 the policy and hence every (seeded) eval are unchanged."""
-    summary = st.run_stability(
-        tmp_path, preset="ci", methods=["grpo"], lags=[0], rl_steps=10, eval_every=5, lr=0.0, progress=False
-    )
+    summary = run_lab(tmp_path, methods=["grpo"], lags=[0], rl_steps=10, eval_every=5, lr=0.0)
     run = summary["runs"][0]
     assert run["eval_acc"] == [run["warm_eval"]] * 3
 
@@ -85,9 +88,9 @@ def test_outputs_written(ci_run) -> None:
 def test_identical_seeds_identical_results(tmp_path: Path) -> None:
     """Bitwise-equal summaries (timing aside) and CSVs, warm start included; run under the drop strategy so
     that path is covered too (a weaker warm start keeps it fast)."""
-    kwargs = dict(preset="ci", methods=["gepo"], lags=[2], rl_steps=8, strategy="drop", warm_target=0.1, progress=False)
-    first = st.run_stability(tmp_path / "a", **kwargs)
-    second = st.run_stability(tmp_path / "b", **kwargs)
+    kwargs = dict(methods=["gepo"], lags=[2], rl_steps=8, strategy="drop", warm_target=0.1)
+    first = run_lab(tmp_path / "a", **kwargs)
+    second = run_lab(tmp_path / "b", **kwargs)
     first.pop("timing")
     second.pop("timing")
     assert first == second
@@ -102,22 +105,26 @@ def test_identical_seeds_identical_results(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"preset": "huge"}, "unknown preset"),
-        ({"methods": ["ppo"]}, "unknown method"),
-        ({"lags": [-1]}, ">= 0"),
-        ({"lags": []}, ">= 0"),
-        ({"seeds": []}, "seed"),
-        ({"learning_rate": 1e-3}, "unknown option"),
-        ({"strategy": "hope"}, "unknown strategy"),
-        ({"rl_steps": 0}, "rl_steps"),
+        ({"methods": ["ppo"]}, r"methods\[0\]='ppo'"),
+        ({"lags": [-1]}, "lags are max_lag settings >= 0"),
+        ({"lags": []}, "lags=\\[\\]"),
+        ({"seeds": []}, "seeds"),
+        ({"learning_rate": 1e-3}, "learning_rate: unknown option"),
+        ({"strategy": "hope"}, "strategy='hope'"),
+        ({"rl_steps": 0}, "rl_steps=0"),
         ({"prompts_per_step": 6}, "multiple of groups_per_batch"),
-        ({"clip": 0.0}, "clip"),
-        ({"clip": 1.5}, "clip"),
+        ({"clip": 0.0}, "clip=0.0"),
+        ({"clip": 1.5}, "clip=1.5"),
+        ({"lr": float("nan")}, "lr=nan"),
+        ({"admission_margin": 1}, r"admission_margin \(1\) > max_lag \(0\)"),
+        ({"time_scale": 0.1}, "only apply with live=true"),
     ],
 )
-def test_bad_options_raise_clear_errors(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        st.run_stability(tmp_path, progress=False, **kwargs)
+def test_bad_options_raise_clear_errors(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(StabilityConfigError, match=message):
+        resolve("quick", kwargs)
+    with pytest.raises(StabilityConfigError, match="unknown preset"):
+        resolve("huge")
 
 
 def test_cli_rejects_bad_values(capsys) -> None:
@@ -131,13 +138,7 @@ def test_cli_rejects_bad_values(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         st.main(["--time-scale", "0.1"])  # a live-mode option without --live
     assert exit_info.value.code == 2
-    assert "only apply with --live" in capsys.readouterr().err
-
-
-def test_every_option_has_help() -> None:
-    parser = st.add_stability_arguments(argparse.ArgumentParser())
-    for action in parser._actions:
-        assert action.help, action.dest
+    assert "only apply with live=true (--live)" in capsys.readouterr().err
 
 
 def test_methods_follow_the_plugin_presets() -> None:
@@ -152,9 +153,9 @@ def test_methods_follow_the_plugin_presets() -> None:
 
 def test_clip_option_reaches_the_loss(tmp_path: Path) -> None:
     """--clip replaces the presets' 0.2 in verl's actor config: a tighter clip clips more tokens."""
-    kwargs = dict(preset="ci", methods=["grpo"], lags=[8], rl_steps=12, eval_every=12, progress=False)
-    default = st.run_stability(tmp_path / "default", **kwargs)
-    tight = st.run_stability(tmp_path / "tight", clip=0.01, **kwargs)
+    kwargs = dict(methods=["grpo"], lags=[8], rl_steps=12, eval_every=12)
+    default = run_lab(tmp_path / "default", **kwargs)
+    tight = run_lab(tmp_path / "tight", clip=0.01, **kwargs)
     assert tight["config"]["clip"] == 0.01 and default["config"]["clip"] is None
     assert tight["runs"][0]["clipfrac_mean"] > default["runs"][0]["clipfrac_mean"] + 0.05
 

@@ -26,11 +26,12 @@ heterogeneous samplers:
   :func:`~gepo_plugin.maths.group_log_expectation_from_tokens` and
   :func:`~gepo_plugin.verl_glue.sample_terms.provide_sample_terms`.
 * **Asynchrony**: a seeded discrete-event simulation (simulated time, reproducible bit for bit):
-  samplers of different speeds, weight copies arriving after log-normal delays
-  (:mod:`gepo_plugin.hetero.delays`), the learner consuming groups through
-  :class:`~gepo_plugin.hetero.staleness.BoundedStalenessQueue` with ``StalenessPolicy(max_lag=K)``
-  and counting every rollout in a :class:`~gepo_plugin.hetero.accounting.RolloutLedger`. ``K = 0`` is
-  on-policy; every trained group's lag is asserted to be ``<= K``.
+  samplers of different speeds, weights arriving as HeteroRL's
+  :class:`~gepo_plugin.hetero.weight_schedule.WeightArrivalSchedule` says, with log-normal delays
+  (:mod:`gepo_plugin.hetero.delays`), and the learner's queue run by HeteroRL's
+  :class:`~gepo_plugin.hetero.core.StalenessCore` (the decisions and books verl's replay buffer uses), with
+  ``max_lag = K`` and HeteroRL's default strategy and margin. ``K = 0`` is on-policy; a trained group's lag
+  above ``K`` is refused.
 
 Reported per method x max_lag x seed: eval accuracy over training, best / last eval and their gap,
 mean +- sample std over seeds, the variance of each method's own importance weight (token ratio
@@ -55,8 +56,9 @@ seconds scaled by ``--time-scale`` (default 0.05 wall s per simulated s). Same o
 ``"mode": "live"`` in the summary JSON. Not bit-reproducible (the schedule depends on the operating
 system); the lag bound and the ledger are still asserted.
 
-Run: ``python -m gepo_plugin.lab stability --preset quick --out DIR`` (or ``gepo-lab stability ...``, or
-``python -m gepo_plugin.lab.stability ...``).
+Every option is a field of :class:`~gepo_plugin.lab.stability_config.StabilityConfig` (the command line is
+generated from it, with its help and defaults). Run: ``python -m gepo_plugin.lab stability --preset quick --out
+DIR`` (or ``gepo-lab stability ...``, or ``python -m gepo_plugin.lab.stability ...``).
 """
 
 from __future__ import annotations
@@ -64,169 +66,39 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
-import dataclasses
 import json
 import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gepo_plugin.lab.plots import plots_available
+from gepo_plugin.lab.stability_config import (
+    PRESET_SUMMARIES,
+    PRESETS,
+    StabilityConfig,
+    StabilityConfigError,
+    resolve,
+)
 from gepo_plugin.lab.stability_sim import METHODS, OWN_WEIGHT
+from gepo_plugin.options_cli import add_model_arguments, given_values
 
-STRATEGIES = ("wait", "drop")
-
-
-class StabilityConfigError(ValueError):
-    """An impossible or unknown stability-lab option; the message says what is valid."""
-
-
-@dataclass(frozen=True)
-class StabilityConfig:
-    """Every knob of a stability run (a preset is a set of these; ``**overrides`` replace any of them)."""
-
-    # task
-    max_a: int = 50
-    max_b: int = 10
-    eval_fraction: float = 0.25
-    task_seed: int = 0
-    format_reward: float = 0.0
-    # policy
-    hidden: int = 64
-    layers: int = 2
-    heads: int = 4
-    threads: int = 1
-    # supervised warm start
-    warm_lr: float = 3e-3
-    warm_batch: int = 32
-    warm_target: float = 0.35
-    warm_max_steps: int = 1500
-    warm_check_every: int = 10
-    # RL
-    rl_steps: int = 120
-    lr: float = 1e-3
-    lr_warmup_steps: int = 20
-    group_size: int = 8
-    prompts_per_step: int = 16
-    groups_per_batch: int = 4
-    buffer_groups: int = 0  # 0 = prompts_per_step
-    temperature: float = 1.0
-    grad_clip: float = 1.0
-    clip: float | None = None  # ratio clip eps for every method, both sides (None = the presets' 0.2/0.2)
-    eval_every: int = 10
-    eval_samples: int = 8
-    # heterogeneous samplers (simulated seconds)
-    sampler_seconds: tuple[float, ...] = (1.0, 1.5, 2.0, 4.0)
-    learner_seconds: float = 0.5
-    delay_low: float = 4.0
-    delay_high: float = 256.0
-    delay_confidence: float = 0.995
-    strategy: str = "wait"
-
-    def validate(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise StabilityConfigError(f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}")
-        for name in ("rl_steps", "eval_every", "warm_batch", "warm_check_every", "threads", "hidden", "layers"):
-            if getattr(self, name) < 1:
-                raise StabilityConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_samples < 0:
-            raise StabilityConfigError(f"eval_samples must be >= 0 (0 = greedy), got {self.eval_samples}")
-        if self.warm_max_steps < 0:
-            raise StabilityConfigError(f"warm_max_steps must be >= 0, got {self.warm_max_steps}")
-        if not 0 <= self.warm_target <= 1:
-            raise StabilityConfigError(f"warm_target is an accuracy in [0, 1], got {self.warm_target}")
-        if not 0 <= self.format_reward < 1:
-            raise StabilityConfigError(
-                f"format_reward must be in [0, 1) (below the exact reward), got {self.format_reward}"
-            )
-        if not self.lr >= 0:
-            raise StabilityConfigError(f"lr must be >= 0, got {self.lr}")
-        if self.clip is not None and not 0 < self.clip < 1:
-            raise StabilityConfigError(
-                f"clip is the ratio clip eps, 1-eps..1+eps, and must be in (0, 1), got {self.clip}"
-            )
-
-
-@dataclass(frozen=True)
-class Preset:
-    """Which methods, lags and seeds a preset runs, and its config overrides."""
-
-    methods: tuple[str, ...]
-    lags: tuple[int, ...]
-    seeds: tuple[int, ...]
-    overrides: dict[str, Any]
-    summary: str
-
-
-PRESETS: dict[str, Preset] = {
-    "ci": Preset(("gepo", "grpo"), (0, 8), (0,), {"rl_steps": 60, "eval_every": 20}, "tests: ~40 s"),
-    "quick": Preset(("gepo", "gspo", "grpo"), (0, 64), (0, 1), {"rl_steps": 150}, "GEPO vs GSPO vs GRPO, ~3.5 min"),
-    "paper": Preset(
-        METHODS, (0, 8, 64), (0, 1, 2, 3, 4), {"rl_steps": 200}, "all methods, lags 0/8/64, 5 seeds, ~25 min"
-    ),
-}
-
-
-def resolve(
-    preset: str,
-    seeds: Sequence[int] | None,
-    methods: Sequence[str] | None,
-    lags: Sequence[int] | None,
-    overrides: dict[str, Any],
-) -> tuple[StabilityConfig, list[str], list[int], list[int]]:
-    """Validate everything up front, so a typo fails in milliseconds and not after the first run."""
-    if preset not in PRESETS:
-        raise StabilityConfigError(f"unknown preset {preset!r}; use one of {', '.join(PRESETS)}")
-    spec = PRESETS[preset]
-    fields = {f.name for f in dataclasses.fields(StabilityConfig)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise StabilityConfigError(f"unknown option(s) {unknown}; valid options: {', '.join(sorted(fields))}")
-    values = {**spec.overrides, **overrides}
-    if "sampler_seconds" in values:
-        values["sampler_seconds"] = tuple(float(s) for s in values["sampler_seconds"])
-    config = StabilityConfig(**values)
-    config.validate()
-    try:
-        _sim_settings(config, 0).validate()
-    except ValueError as error:
-        raise StabilityConfigError(str(error)) from None
-    methods = list(spec.methods if methods is None else methods)
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        raise StabilityConfigError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
-    lags = [int(k) for k in (spec.lags if lags is None else lags)]
-    if not lags or any(k < 0 for k in lags):
-        raise StabilityConfigError(f"max lags must be integers >= 0 (0 = on-policy), got {lags}")
-    seeds = [int(s) for s in (spec.seeds if seeds is None else seeds)]
-    if not seeds:
-        raise StabilityConfigError("at least one seed is needed")
-    return config, methods, lags, seeds
-
-
-def _sim_settings(config: StabilityConfig, max_lag: int):
-    from gepo_plugin.hetero.delays import LogNormalDelay
-    from gepo_plugin.lab.stability_sim import SimSettings
-
-    return SimSettings(
-        max_lag=max_lag,
-        strategy=config.strategy,
-        sampler_seconds=config.sampler_seconds,
-        delay_model=LogNormalDelay.from_interval(config.delay_low, config.delay_high, config.delay_confidence),
-        learner_seconds=config.learner_seconds,
-        groups_per_batch=config.groups_per_batch,
-        group_size=config.group_size,
-        prompts_per_step=config.prompts_per_step,
-        buffer_groups=config.buffer_groups or config.prompts_per_step,
-        temperature=config.temperature,
-        format_reward=config.format_reward,
-        grad_clip=config.grad_clip,
-    )
+__all__ = [
+    "METHODS",
+    "PRESETS",
+    "StabilityConfig",
+    "StabilityConfigError",
+    "add_stability_arguments",
+    "aggregate",
+    "markdown_table",
+    "resolve",
+    "run_cli",
+    "run_stability",
+]
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -346,46 +218,21 @@ def _plot(out_dir: Path, records: list[Any], methods: list[str], lags: list[int]
     plt.close(fig)
 
 
-def run_stability(
-    out_dir: Path,
-    preset: str = "quick",
-    seeds: list[int] | None = None,
-    methods: Sequence[str] | None = None,
-    lags: Sequence[int] | None = None,
-    progress: bool = True,
-    live: bool = False,
-    time_scale: float | None = None,
-    ray_cpus: int | None = None,
-    **overrides: Any,
-) -> dict[str, Any]:
+def run_stability(out_dir: Path, config: StabilityConfig, preset: str = "", progress: bool = True) -> dict[str, Any]:
     """Warm-start one policy per seed, RL-train it per (method, max_lag), write every output; return the summary.
 
     Files in ``out_dir`` (created if missing): ``stability_summary.json``, ``stability_table.md``,
-    ``stability_eval.csv`` (eval accuracy per run and step), ``stability_steps.csv`` (per-update
-    diagnostics), ``stability_curves.png``, ``stability_diagnostics.png``. Wall-clock times are kept apart
-    under ``summary["timing"]``; everything else is a deterministic function of the arguments.
-
-    ``live=True`` runs each (method, max_lag) with real sampler processes (Ray actors) in wall-clock time
-    instead of the simulation (:mod:`gepo_plugin.lab.stability_live`; ``time_scale`` wall seconds per
-    simulated second, default 0.05; ``ray_cpus`` Ray's logical CPUs, default one per sampler). The warm start
-    is the same; the RL part is then not reproducible, and the summary says ``"mode": "live"``.
+    ``stability_eval.csv`` (eval accuracy per run and step), ``stability_steps.csv`` (per-update diagnostics) and,
+    with matplotlib, ``stability_curves.png`` and ``stability_diagnostics.png`` (drawn after the results are on
+    disk). Wall-clock times are kept apart under ``summary["timing"]``; everything else is a deterministic function
+    of the config (except with ``config.live``: real sampler processes, and the summary says ``"mode": "live"``).
     """
     import torch
+    from tqdm.auto import tqdm
 
     from gepo_plugin.lab.stability_sim import MethodSpec, simulate_run
     from gepo_plugin.lab.stability_task import build_policy, build_task, supervised_warm_start
 
-    config, methods, lags, seeds = resolve(preset, seeds, methods, lags, overrides)
-    if not live and (time_scale is not None or ray_cpus is not None):
-        raise StabilityConfigError("time_scale and ray_cpus only apply to live mode (live=True / --live)")
-    if live:
-        from gepo_plugin.lab.stability_live import DEFAULT_TIME_SCALE
-
-        time_scale = DEFAULT_TIME_SCALE if time_scale is None else float(time_scale)
-        if not time_scale > 0:
-            raise StabilityConfigError(f"time_scale must be > 0 wall seconds per simulated second, got {time_scale}")
-        if ray_cpus is not None and ray_cpus < 1:
-            raise StabilityConfigError(f"ray_cpus must be >= 1, got {ray_cpus}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     draw = plots_available()
@@ -393,18 +240,17 @@ def run_stability(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
     cluster = None
+    time_scale = None
     try:
-        from tqdm.auto import tqdm
-
         task = build_task(config.max_a, config.max_b, config.eval_fraction, config.task_seed)
-        specs = {m: MethodSpec.from_preset(m) for m in methods}
+        specs = {m: MethodSpec.from_preset(m) for m in config.methods}
         if config.clip is not None:
-            specs = {m: dataclasses.replace(s, clip_low=config.clip, clip_high=config.clip) for m, s in specs.items()}
+            specs = {m: s.with_clip(config.clip) for m, s in specs.items()}
         run_fn = simulate_run
-        n_runs = len(seeds) * len(methods) * len(lags)
+        n_runs = len(config.seeds) * len(config.methods) * len(config.lags)
         bar = tqdm(total=n_runs * config.rl_steps, disable=not progress, desc="stability", unit="step")
         records, warm, timing = [], {}, {}
-        for seed in seeds:
+        for seed in config.seeds:
             tick = time.perf_counter()
             bar.set_postfix_str(f"seed {seed} warm start")
             base = build_policy(task, seed, config.hidden, config.layers, config.heads)
@@ -419,33 +265,21 @@ def run_stability(
                 config.warm_check_every,
             )
             timing[f"warm_start/seed{seed}"] = time.perf_counter() - tick
-            if live and cluster is None:
-                from gepo_plugin.lab.stability_live import LiveCluster
+            if config.live and cluster is None:
+                from gepo_plugin.lab.stability_live import DEFAULT_TIME_SCALE, LiveCluster
 
                 tick = time.perf_counter()
                 bar.set_postfix_str("starting Ray sampler actors")
-                cluster = LiveCluster(
-                    config.sampler_seconds, time_scale, task, base, _sim_settings(config, 0), ray_cpus=ray_cpus
-                )
+                time_scale = config.time_scale or DEFAULT_TIME_SCALE
+                cluster = LiveCluster(config.sampler_seconds, time_scale, task, base, config, ray_cpus=config.ray_cpus)
                 run_fn = cluster.run
                 timing["live/ray_start"] = time.perf_counter() - tick
-            for lag in lags:
-                settings = _sim_settings(config, lag)
-                for method in methods:
+            for lag in config.lags:
+                for method in config.methods:
                     tick = time.perf_counter()
                     bar.set_postfix_str(f"seed {seed} {method} lag {lag}")
                     record = run_fn(
-                        copy.deepcopy(base),
-                        specs[method],
-                        task,
-                        settings,
-                        seed=seed,
-                        rl_steps=config.rl_steps,
-                        lr=config.lr,
-                        eval_every=config.eval_every,
-                        lr_warmup_steps=config.lr_warmup_steps,
-                        eval_samples=config.eval_samples,
-                        on_step=lambda _rec: bar.update(1),
+                        copy.deepcopy(base), specs[method], task, config, lag, seed, on_step=lambda _r: bar.update(1)
                     )
                     records.append(record)
                     timing[f"run/seed{seed}/{method}/lag{lag}"] = time.perf_counter() - tick
@@ -456,25 +290,25 @@ def run_stability(
             cluster.close()
     runs = [rec.to_dict() for rec in records]
     summary: dict[str, Any] = {
-        "mode": "live" if live else "simulated",
+        "mode": "live" if config.live else "simulated",
         "preset": preset,
-        "methods": methods,
-        "lags": lags,
-        "seeds": seeds,
-        "config": dataclasses.asdict(config),
+        "methods": list(config.methods),
+        "lags": list(config.lags),
+        "seeds": list(config.seeds),
+        "config": config.model_dump(mode="json"),
         "task": {"train_problems": int(task.train_idx.numel()), "eval_problems": int(task.eval_idx.numel())},
         "warm_start": warm,
         "runs": runs,
-        "aggregate": aggregate(runs, methods, lags),
+        "aggregate": aggregate(runs, list(config.methods), list(config.lags)),
     }
-    if live:
+    if config.live:
         summary["live"] = {
             "time_scale": time_scale,
             "ray_cpus": cluster.ray_cpus,
             "reproducible": False,
             "note": "samplers are Ray actors in wall-clock time: the schedule (which version generates which "
             "group) depends on the OS and is not reproducible; sim_time / sim_seconds are wall seconds / "
-            "time_scale. The lag bound and the ledger are asserted as in the simulation.",
+            "time_scale. The lag bound and the books are checked as in the simulation.",
         }
     _write_csvs(out_dir, records)
     (out_dir / "stability_table.md").write_text(markdown_table(summary))
@@ -482,7 +316,7 @@ def run_stability(
     summary["timing"] = timing
     (out_dir / "stability_summary.json").write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
     if draw:  # the results are on disk before any plot is attempted
-        _plot(out_dir, records, methods, lags)
+        _plot(out_dir, records, list(config.methods), list(config.lags))
     return summary
 
 
@@ -494,8 +328,13 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+#: Options of the command line that are not config fields.
+RUN_OPTIONS = ("out", "preset", "no_progress")
+
+
 def add_stability_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Attach this lab's options to ``parser`` (so a parent CLI can reuse them as a subcommand)."""
+    """Attach this lab's options to ``parser``: ``--out``, ``--preset``, ``--no-progress`` and one option per
+    field of :class:`StabilityConfig` (generated, with the field's help)."""
     parser.add_argument(
         "--out",
         type=Path,
@@ -506,124 +345,24 @@ def add_stability_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         "--preset",
         choices=sorted(PRESETS),
         default="quick",
-        help="ci (~40 s, for tests), quick (~3.5 min: gepo/gspo/grpo at lag 0 and 64, 2 seeds) or paper "
-        "(all methods, lags 0/8/64, 5 seeds, ~25 min measured); default quick",
+        help="; ".join(f"{name}: {text}" for name, text in PRESET_SUMMARIES.items()) + " (default quick)",
     )
-    parser.add_argument("--seeds", type=int, nargs="+", help="seeds to run (default: the preset's)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, help="methods to compare (default: the preset's)")
-    parser.add_argument("--lags", type=int, nargs="+", help="max_lag settings; 0 = on-policy (default: the preset's)")
-    parser.add_argument("--rl-steps", type=int, help="learner updates per run (default: the preset's)")
-    parser.add_argument("--eval-every", type=int, help="evaluate on the held-out set every N updates")
-    parser.add_argument("--lr", type=float, help="RL learning rate of AdamW (default 1e-3)")
-    parser.add_argument("--group-size", type=int, help="responses per prompt G (default 8)")
-    parser.add_argument("--prompts-per-step", type=int, help="prompt groups per learner update (default 16)")
-    parser.add_argument(
-        "--clip",
-        type=float,
-        help="ratio clip eps for every method, both sides: 1-eps..1+eps (default: the presets' 0.2/0.2)",
-    )
-    parser.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        help="staleness strategy: wait (the paper's: nothing dropped, the learner waits) or drop (default wait)",
-    )
-    parser.add_argument(
-        "--delay-low", type=float, help="lower end of the log-normal weight-delay interval, simulated s (default 4)"
-    )
-    parser.add_argument(
-        "--delay-high", type=float, help="upper end of the log-normal weight-delay interval, simulated s (default 256)"
-    )
-    parser.add_argument(
-        "--sampler-seconds",
-        type=float,
-        nargs="+",
-        help="simulated seconds per rollout batch, one value per sampler (default 1 1.5 2 4)",
-    )
-    parser.add_argument(
-        "--groups-per-batch",
-        type=int,
-        help="prompt groups per sampler rollout batch (default 4; divides --prompts-per-step)",
-    )
-    parser.add_argument(
-        "--buffer-groups",
-        type=int,
-        help="samplers start a batch only while fewer groups than this are queued or in flight "
-        "(default: --prompts-per-step)",
-    )
-    parser.add_argument(
-        "--learner-seconds", type=float, help="simulated seconds one learner update takes at least (default 0.5)"
-    )
-    parser.add_argument(
-        "--eval-samples",
-        type=int,
-        help="sampled answers per held-out problem for pass@1 (default 8; 0 = greedy exact match)",
-    )
-    parser.add_argument("--warm-target", type=float, help="train accuracy at which the SFT warm start stops")
-    parser.add_argument("--format-reward", type=float, help="reward for 'digits then <eos>' answers (default 0)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default 1: fastest for this tiny model)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    parser.add_argument(
-        "--live",
-        action="store_true",
-        help="run the samplers as real concurrent processes (Ray actors, one torch thread each) in wall-clock "
-        "time instead of the seeded simulation; same learner, staleness rule, ledger and outputs, with "
-        '"mode": "live" in the summary JSON. NOT bit-reproducible: the schedule depends on OS scheduling',
-    )
-    parser.add_argument(
-        "--time-scale",
-        type=float,
-        help="live mode only: wall-clock seconds per simulated second, applied to --sampler-seconds, "
-        "--learner-seconds and the weight delays (default 0.05)",
-    )
-    parser.add_argument(
-        "--ray-cpus",
-        type=int,
-        help="live mode only: logical CPUs for the local Ray session (default: one per sampler)",
-    )
-    return parser
+    return add_model_arguments(parser, StabilityConfig, defaults_from="the preset's")
 
 
-#: CLI option -> StabilityConfig field, for options that override the config.
-_OVERRIDE_OPTIONS = (
-    "rl_steps",
-    "eval_every",
-    "lr",
-    "group_size",
-    "prompts_per_step",
-    "clip",
-    "strategy",
-    "delay_low",
-    "delay_high",
-    "sampler_seconds",
-    "warm_target",
-    "format_reward",
-    "threads",
-    "groups_per_batch",
-    "buffer_groups",
-    "learner_seconds",
-    "eval_samples",
-)
+def config_from_args(args: argparse.Namespace) -> StabilityConfig:
+    """The config a parsed command line asks for: the preset, then every option given."""
+    return resolve(args.preset, given_values(args, StabilityConfig))
 
 
 def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the lab from parsed :func:`add_stability_arguments` options; bad values exit 2 via ``parser.error``."""
-    if not args.live and (args.time_scale is not None or args.ray_cpus is not None):
-        parser.error("--time-scale and --ray-cpus only apply with --live")
-    overrides = {name: getattr(args, name) for name in _OVERRIDE_OPTIONS if getattr(args, name) is not None}
-    live_options = {"live": True, "time_scale": args.time_scale, "ray_cpus": args.ray_cpus} if args.live else {}
     try:
-        summary = run_stability(
-            args.out,
-            preset=args.preset,
-            seeds=args.seeds,
-            methods=args.methods,
-            lags=args.lags,
-            progress=not args.no_progress,
-            **live_options,
-            **overrides,
-        )
+        config = config_from_args(args)
     except StabilityConfigError as error:
         parser.error(str(error))
+    summary = run_stability(args.out, config, preset=args.preset, progress=not args.no_progress)
     print(markdown_table(summary), end="")
     print(f"wrote {args.out} ({summary['mode']}) in {summary['timing']['total']:.0f} s", file=sys.stderr)
     return 0

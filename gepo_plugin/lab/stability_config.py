@@ -91,11 +91,12 @@ class StabilityConfig(BaseModel):
     # live mode
     live: StrictBool = Field(
         False,
-        description="run the samplers as Ray actor processes in wall-clock time (not bit-reproducible) instead of "
-        "the seeded simulation",
+        description="run the samplers as Ray actor processes in wall-clock time instead of the seeded simulation: "
+        'same learner, staleness rule and outputs, with "mode": "live" in the summary JSON. NOT bit-reproducible: '
+        "the schedule depends on OS scheduling",
     )
     time_scale: float | None = Field(
-        None, gt=0, description="live only: wall seconds per simulated second (None: 0.05)"
+        None, gt=0, description="live only: wall-clock seconds per simulated second (None: 0.05)"
     )
     ray_cpus: int | None = Field(None, ge=1, description="live only: Ray's logical CPUs (None: one per sampler)")
 

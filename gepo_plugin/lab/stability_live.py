@@ -8,18 +8,17 @@ process. Live mode runs the same pieces concurrently, across processes, under a 
   weights the actor holds, then the actor sleeps until the batch has taken at least
   ``sampler_seconds[i] * time_scale`` wall seconds, so the samplers keep their heterogeneous speeds.
 * **Weights** travel through Ray's object store: each learner version is ``ray.put`` once as a
-  ``state_dict`` tagged with its version. As in the simulation, a sampler requests the newest version, the
-  copy reaches it after a delay drawn from the same delay model and the same per-sampler random stream
-  (:func:`~gepo_plugin.hetero.delays.delay_rng`), scaled by ``time_scale``, and the next request starts at
-  once. The load is queued on the actor behind the batch it is generating (actor tasks run in submission
-  order), so it applies before the next batch. Every group carries the version that generated it
-  (min = max version: weights change only between batches), and the driver checks it against the version
-  it expected the actor to hold.
+  ``state_dict`` tagged with its version. When a sampler gets which version is decided, as in the simulation,
+  by :class:`~gepo_plugin.hetero.weight_schedule.WeightArrivalSchedule` (same delay model, same per-sampler
+  random streams) on a clock of simulated seconds (wall seconds / ``time_scale``). On arrival the load is
+  queued on the actor behind the batch it is generating (actor tasks run in submission order), so it applies
+  before the next batch. Every group carries the version that generated it (min = max version: weights change
+  only between batches), and the driver checks it against the version it expected the actor to hold.
 * **The learner** runs in the driver process: the simulation's
-  :class:`~gepo_plugin.lab.stability_sim.Learner` (same ``BoundedStalenessQueue``, ``StalenessPolicy``,
-  ledger, admission control, loss, evaluation cadence, lag assertion), driven by wall-clock events. An
-  update takes its real compute time, and at least ``learner_seconds * time_scale``; its version becomes
-  visible (to admission control and weight requests) only when that time is up.
+  :class:`~gepo_plugin.lab.stability_sim.Learner` (the same rollout queue over HeteroRL's staleness core,
+  admission control, loss, evaluation cadence, lag check), driven by wall-clock events. An update takes its
+  real compute time, and at least ``learner_seconds * time_scale``; its version becomes visible (to admission
+  control and the weight schedule) only when that time is up.
 
 ``sim_time`` in the step diagnostics and ``sim_seconds`` of a run are wall-clock seconds divided by
 ``time_scale`` (simulated-second equivalents), so they read on the same scale as the simulation's.
@@ -95,7 +94,7 @@ class LiveSampler:
         self.version = int(version)
         return self.version
 
-    def generate(self, first_gid: int) -> dict[str, Any]:
+    def generate(self, first_gid: int, submitted: int = 0) -> dict[str, Any]:
         """One rollout batch with the held weights, taking at least ``seconds * time_scale`` wall seconds."""
         from gepo_plugin.lab.stability_sim import draw_problems, rollout_batch
 
@@ -111,6 +110,7 @@ class LiveSampler:
             self.token_rng,
             self.version,
             first_gid,
+            submitted,
         )
         compute = time.monotonic() - start
         remaining = self.min_batch_seconds - compute
@@ -125,10 +125,7 @@ class _SamplerState:
 
     index: int
     actor: Any
-    rng: Any
-    version: int = 0
-    transfer_version: int = 0
-    transfer_arrival: float = 0.0
+    version: int = 0  # the version the actor holds (loaded)
     version_in_use: int = 0
     busy: bool = False
     batches: int = 0
@@ -199,63 +196,55 @@ class LiveCluster:
         model: Any,
         spec: Any,
         task: Any,
-        settings: Any,
+        config: Any,
+        max_lag: int,
         seed: int,
-        rl_steps: int,
-        lr: float,
-        eval_every: int,
-        lr_warmup_steps: int = 0,
-        eval_samples: int = 8,
         on_step: Callable[[Any], None] | None = None,
         stall_seconds: float | None = None,
     ) -> Any:
-        """Train ``model`` (in place) for ``rl_steps`` updates with the actors as samplers; same arguments and
+        """Train ``model`` (in place) for ``config.rl_steps`` updates with the actors as samplers; same arguments and
         :class:`~gepo_plugin.lab.stability_sim.RunRecord` as :func:`~gepo_plugin.lab.stability_sim.simulate_run`
         (plus ``record.live``: wall-clock facts about the run).
 
-        Raises ``AssertionError`` on a lag above ``max_lag`` or a group whose version is not the one its sampler
-        was sent, :class:`~gepo_plugin.hetero.accounting.AccountingError` if the ledger loses a group, and
-        ``RuntimeError`` if no update completes for ``stall_seconds`` wall seconds (default: generous,
-        from the delay and speed settings).
+        Raises on a lag above ``max_lag`` or a group whose version is not the one its sampler was sent, if the
+        books lose a group, and ``RuntimeError`` if no update completes for ``stall_seconds`` wall seconds
+        (default: generous, from the delay and speed settings).
         """
         import ray
 
-        from gepo_plugin.hetero.delays import delay_rng
-        from gepo_plugin.lab.stability_sim import Learner, _snapshot, draw_delay
+        from gepo_plugin.hetero.weight_schedule import WeightArrivalSchedule
+        from gepo_plugin.lab.stability_sim import Learner, _snapshot
 
-        if len(settings.sampler_seconds) != len(self.actors):
-            raise ValueError(f"{len(settings.sampler_seconds)} sampler speeds for {len(self.actors)} sampler actors")
+        if len(config.sampler_seconds) != len(self.actors):
+            raise ValueError(f"{len(config.sampler_seconds)} sampler speeds for {len(self.actors)} sampler actors")
         scale = self.time_scale
         if stall_seconds is None:
-            slowest_delay = getattr(settings.delay_model, "clip_high", None) or 1000.0
-            stall_seconds = 120.0 + 10 * scale * (slowest_delay + max(self.sampler_seconds) + settings.learner_seconds)
-        learner = Learner(model, spec, task, settings, seed, rl_steps, lr, eval_every, lr_warmup_steps, eval_samples)
+            stall_seconds = 120.0 + 10 * scale * (
+                config.delay_high + max(self.sampler_seconds) + config.learner_seconds
+            )
+        learner = Learner(model, spec, task, config, max_lag, seed)
         record = learner.record
-        g = settings.groups_per_batch
+        g = config.groups_per_batch
         weights = {0: ray.put(_snapshot(model))}
-        states = [_SamplerState(i, actor, delay_rng(seed, i)) for i, actor in enumerate(self.actors)]
+        states = [_SamplerState(i, actor) for i, actor in enumerate(self.actors)]
+        schedule = WeightArrivalSchedule([config.delay_model()] * len(states), seed, start_version=0, start_time=0.0)
         pids = ray.get([s.actor.start_run.remote(seed, 0, weights[0]) for s in states])
         learner.record_eval()
 
         started = time.monotonic()
 
         def clock() -> float:
-            return time.monotonic() - started
+            """Simulated seconds since the start (wall seconds / time_scale): the schedule's clock."""
+            return (time.monotonic() - started) / scale
 
-        def request_weights(state: _SamplerState, now: float) -> None:
-            state.transfer_version = learner.version
-            state.transfer_arrival = now + draw_delay(settings.delay_model, state.rng) * scale
-
-        for state in states:
-            request_weights(state, 0.0)
         pending: dict[Any, _SamplerState] = {}
         loads: list[Any] = []
         next_gid, weight_loads = 0, 0
         learner_done_at: float | None = None
         last_progress = 0.0
 
-        def in_flight_versions() -> list[int]:
-            return [s.version_in_use for s in states if s.busy for _ in range(g)]
+        def in_flight() -> dict[str, int]:
+            return {f"s{s.index}/{j}": s.version_in_use for s in states if s.busy for j in range(g)}
 
         def collect(refs: list[Any]) -> None:
             for ref in refs:
@@ -272,28 +261,28 @@ class LiveCluster:
                 state.batches += 1
                 state.compute_seconds += result["compute_seconds"]
 
-        while learner.version < rl_steps:
+        while learner.version < config.rl_steps:
             if learner_done_at is not None and clock() >= learner_done_at:
                 learner_done_at = None
                 learner.finish_update()
                 weights[learner.version] = ray.put(_snapshot(model))
+                schedule.publish(learner.version, clock())
                 last_progress = clock()
                 if on_step is not None:
                     on_step(record)
-                if learner.version >= rl_steps:
+                if learner.version >= config.rl_steps:
                     break
             if pending:
                 done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
                 collect(done)
-            now = clock()
+            schedule.advance(clock())
             for state in states:
-                if state.transfer_arrival <= now:
-                    if state.transfer_version > state.version:
-                        state.version = state.transfer_version
-                        loads.append(state.actor.load.remote(state.version, weights[state.version]))
-                        weight_loads += 1
-                    request_weights(state, now)
-            keep = {learner.version} | {s.transfer_version for s in states}
+                held = schedule.held[state.index]
+                if held != state.version:  # arrived: the actor loads it before its next batch (actor tasks are FIFO)
+                    state.version = held
+                    loads.append(state.actor.load.remote(held, weights[held]))
+                    weight_loads += 1
+            keep = {learner.version} | set(schedule.held) | schedule.needed_versions()
             for old in [v for v in weights if v not in keep]:
                 del weights[old]  # a load still queued on an actor keeps its object alive
             acted = True
@@ -302,35 +291,35 @@ class LiveCluster:
                 for state in states:
                     busy_groups = g * sum(s.busy for s in states)
                     if not state.busy and learner.sampler_may_start(state.version, busy_groups):
-                        pending[state.actor.generate.remote(next_gid)] = state
+                        pending[state.actor.generate.remote(next_gid, learner.step)] = state
                         state.busy, state.version_in_use = True, state.version
                         next_gid += g
                         record.rollout_batches += 1
                         acted = True
-                if learner.ready(in_flight_versions()):
+                if learner.ready(in_flight()):
                     tick = clock()
-                    learner.train(tick / scale)
-                    learner_done_at = max(clock(), tick + settings.learner_seconds * scale)
+                    learner.train(tick)
+                    learner_done_at = max(clock(), tick + config.learner_seconds)
                     acted = True
-            deadlines = [s.transfer_arrival for s in states]
+            deadlines = [download[2] for download in schedule.downloading if download is not None]
             if learner_done_at is not None:
                 deadlines.append(learner_done_at)
-            timeout = max(0.0, min(deadlines) - clock())
+            timeout = max(0.0, (min(deadlines) - clock()) * scale) if deadlines else 0.05
             if pending:
                 ray.wait(list(pending), num_returns=1, timeout=timeout)
             else:
                 time.sleep(timeout)
-            if clock() - last_progress > stall_seconds:
+            if clock() - last_progress > stall_seconds / scale:
                 raise RuntimeError(
                     f"live run stalled: no learner update for {stall_seconds:.0f} wall seconds at version "
                     f"{learner.version} (queued {learner.ledger.queued}, in flight {len(pending)} batches)"
                 )
-        wall = clock()
+        sim_seconds = clock()
         discarded = len(pending)
         ray.get(list(pending))  # drain: batches still running at the end are not delivered (as in the simulation)
         ray.get(loads)  # surface any failed weight load
         record.live = {
-            "wall_seconds": wall,
+            "wall_seconds": sim_seconds * scale,
             "time_scale": scale,
             "driver_pid": os.getpid(),
             "sampler_pids": [int(p) for p in pids],
@@ -340,4 +329,4 @@ class LiveCluster:
             "weight_loads": weight_loads,
             "discarded_in_flight_batches": discarded,
         }
-        return learner.finish(wall / scale)
+        return learner.finish(sim_seconds)
