@@ -58,7 +58,7 @@ def make_step(loss_mode: str, logp, old, adv, mask, uids):
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     from gepo_plugin.maths import group_log_expectation_from_tokens
-    from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, provide_sample_terms
+    from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, provide_response_terms
 
     config = actor_config(loss_mode)
     config.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None)
@@ -77,7 +77,7 @@ def make_step(loss_mode: str, logp, old, adv, mask, uids):
         )
         if loss_mode == "gepo":
             term = group_log_expectation_from_tokens(old, mask, uids)
-            with provide_sample_terms({LOG_GROUP_EXPECTATION: term}):
+            with provide_response_terms({LOG_GROUP_EXPECTATION: term}):
                 loss, _ = fn(**kwargs)
         else:
             loss, _ = fn(**kwargs)

@@ -40,11 +40,11 @@ import pstats
 import statistics
 import sys
 import time
-import uuid
 
 import numpy as np
 
-PARTITION = "train"
+from gepo_plugin.verl_glue.hetero.rollout_writer import PARTITION, RolloutWriter, clear_all
+
 VERL = "verl ReplayBufferAsync"
 HETERO_DROP = "HeteroReplayBuffer (drop)"
 HETERO_WAIT = "HeteroReplayBuffer (wait)"
@@ -56,106 +56,11 @@ def log(message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- part 1: sampler
-class Rollouts:
-    """The rollout side of verl's TransferQueue protocol (what ``AgentLoopWorkerTQ`` writes)."""
-
-    def __init__(self, tq, group_size: int, width: int, seed: int) -> None:
-        import torch
-        from tensordict import TensorDict
-
-        self.tq = tq
-        self.group_size = group_size
-        self.fields = TensorDict({"x": torch.zeros(group_size, width)}, batch_size=group_size)
-        self.rng = np.random.default_rng(seed)
-
-    def submit(self, steps: list[int]) -> list[str]:
-        uids = [uuid.uuid4().hex for _ in steps]
-        self.tq.kv_batch_put(
-            keys=uids,
-            partition_id=PARTITION,
-            tags=[{"is_prompt": True, "status": "pending", "global_steps": int(s)} for s in steps],
-        )
-        return uids
-
-    def start(self, uid: str) -> None:
-        self.tq.kv_put(key=uid, partition_id=PARTITION, tag={"status": "running"})
-
-    def _trajectory_tag(self, step: int, lo: int, hi: int) -> dict:
-        return {
-            "status": "success",
-            "global_steps": step,
-            "min_global_steps": lo,
-            "max_global_steps": hi,
-            "seq_len": int(self.fields["x"].shape[1]),
-        }
-
-    def finish(self, uid: str, versions: list[tuple[int, int]], step: int) -> None:
-        keys = [f"{uid}_{i}_0" for i in range(len(versions))]
-        self.tq.kv_batch_put(
-            keys=keys,
-            partition_id=PARTITION,
-            fields=self.fields,
-            tags=[self._trajectory_tag(step, lo, hi) for lo, hi in versions],
-        )
-        self.tq.kv_put(key=uid, partition_id=PARTITION, tag={"status": "finished"})
-
-    def fill(self, groups: int, inflight: int, global_steps: int, spread: int, mixed: float, per_group: bool) -> None:
-        """``groups`` finished groups submitted over the last ``spread`` steps, plus ``inflight`` in-flight prompts.
-
-        A finished group submitted at step ``s`` has tokens from version ``s-1`` (``s-1..s`` for the
-        ``mixed`` fraction whose trajectories span a weight update); in-flight prompts are submitted
-        at ``global_steps`` (half of them running), so neither drop nor wait ever evicts or blocks.
-        ``per_group``: one put of trajectories and one status put per group, as rollout workers write
-        them; otherwise the same keys and tags in four batched puts.
-        """
-        steps = [int(s) for s in global_steps - self.rng.integers(0, spread, groups)]
-        versions = []
-        for step in steps:
-            lo = step - 1
-            hi = min(step, global_steps - 1) if self.rng.random() < mixed else lo
-            versions.append([(lo, hi)] + [(lo, lo)] * (self.group_size - 1))
-        uids = self.submit(steps)
-        if per_group:
-            for uid, step, group in zip(uids, steps, versions, strict=True):
-                self.finish(uid, group, step)
-        else:
-            import torch
-            from tensordict import TensorDict
-
-            rows = groups * self.group_size
-            self.tq.kv_batch_put(
-                keys=[f"{uid}_{i}_0" for uid in uids for i in range(self.group_size)],
-                partition_id=PARTITION,
-                fields=TensorDict({"x": torch.zeros(rows, self.fields["x"].shape[1])}, batch_size=rows),
-                tags=[
-                    self._trajectory_tag(step, lo, hi)
-                    for step, group in zip(steps, versions, strict=True)
-                    for lo, hi in group
-                ],
-            )
-            self.tq.kv_batch_put(keys=uids, partition_id=PARTITION, tags=[{"status": "finished"} for _ in uids])
-        if inflight:
-            running = self.submit([global_steps] * inflight)[: inflight // 2]
-            if per_group:
-                for uid in running:
-                    self.start(uid)
-            elif running:
-                self.tq.kv_batch_put(
-                    keys=running, partition_id=PARTITION, tags=[{"status": "running"} for _ in running]
-                )
-
-
-def clear_all(tq) -> None:
-    for partition, items in (tq.kv_list() or {}).items():
-        if items:
-            tq.kv_clear(keys=list(items), partition_id=partition)
-
-
 def make_buffer(name: str, args):
     from omegaconf import OmegaConf
     from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-    from gepo_plugin.verl_glue.hetero_sampler import HeteroReplayBuffer
+    from gepo_plugin.verl_glue.hetero.replay_buffer import HeteroReplayBuffer
 
     common = dict(
         trainer_mode="separate_async",
@@ -202,7 +107,7 @@ def drain(tq, buffer, args, global_steps: int, sample_times: list, clear_times: 
 def quiet_logs() -> None:
     import verl.trainer.ppo.v1.replay_buffer  # noqa: F401  (creates its INFO-level logger)
 
-    import gepo_plugin.verl_glue.hetero_sampler  # noqa: F401
+    import gepo_plugin.verl_glue.hetero.replay_buffer  # noqa: F401
 
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("verl"):  # "off-policy version control disabled" on every HeteroReplayBuffer
@@ -221,7 +126,7 @@ def bench_sampler(args) -> dict:
     tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
     quiet_logs()
     try:
-        rollouts = Rollouts(tq, args.group_size, args.width, args.seed)
+        rollouts = RolloutWriter(tq, args.group_size, args.width, args.seed, partition=PARTITION)
         names = [n for n in IMPLEMENTATIONS if not (args.skip_wait and n == HETERO_WAIT)]
         fills = {n: [] for n in names}
         fills_per_group = {n: [] for n in names}

@@ -17,7 +17,7 @@ def run(prompts: int = 4, responses: int = 4, micro_batches: int = 4, seed: int 
     from gepo_plugin.maths import group_log_expectation_from_tokens
     from gepo_plugin.synthetic import random_batch
     from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config
-    from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_sample_terms
+    from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
 
     if prompts < 1 or responses < 2 or micro_batches < 1:
         raise SystemExit("demo needs --prompts >= 1, --responses >= 2 and --micro-batches >= 1")
@@ -49,7 +49,7 @@ def run(prompts: int = 4, responses: int = 4, micro_batches: int = 4, seed: int 
                 batch_num_tokens=int(b.mask.sum()),
                 global_batch_size=total,
             )
-            loss, m = ppo_loss_with_sample_terms(config, model_output=model_output, data=data)
+            loss, m = ppo_loss_with_response_terms(config, model_output=model_output, data=data)
             losses.append(loss)
             metrics = m if metrics is None else {k: metrics[k].extend(m[k]) or metrics[k] for k in metrics}
         summed = torch.stack(losses).sum()

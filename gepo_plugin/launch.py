@@ -101,7 +101,7 @@ def settle(config: DictConfig, explicit: set[str]) -> tuple[DictConfig, list[str
     """
     from gepo_plugin.cpu_backend import CPU_PLATFORM
     from gepo_plugin.cpu_backend.activate import cpu_run_settings
-    from gepo_plugin.verl_glue.hetero_wiring import apply_hetero
+    from gepo_plugin.verl_glue.hetero.wiring import apply_hetero
     from gepo_plugin.verl_glue.presets import apply_loss_preset, apply_settings
     from gepo_plugin.verl_glue.validation import check_device, validate_plugin_config
 

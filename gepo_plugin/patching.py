@@ -6,7 +6,7 @@ versions it was written for, what it fixes and why, the seam feature whose conta
 other verl version, or when a contact it needs is missing, instead of guessing, and records what it
 applied in :data:`APPLIED`, so ``python -m gepo_plugin doctor`` can say exactly what is active. Each patch is
 applied only where it is needed: ``gloo_process_group`` by the CPU backend (``VERL_PLATFORM=cpu``),
-``separate_async_logger`` by HeteroRL runs with ``hybrid_engine=False``, ``server_identity`` by HeteroRL
+``hybrid_engine_off`` by HeteroRL runs with ``hybrid_engine=False``, ``server_identity`` by HeteroRL
 runs (``hetero.enable=true``). A plain GEPO run on GPUs applies none.
 """
 

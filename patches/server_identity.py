@@ -6,7 +6,7 @@ patch remembers the id in a context variable when the server is acquired and add
 ``extra_fields["server_id"]`` to the ``TokenOutput`` of ``LLMServerClient.generate`` and of
 ``FullyAsyncLLMServerClient.generate`` (which rebuilds ``extra_fields`` after partial-rollout
 resumes; the last server used is recorded). verl carries ``extra_fields`` into TransferQueue with the
-trajectory. Applied only in HeteroRL runs (``GEPO_HETERO_SERVER_ID=1``, set in the Ray runtime env
+trajectory. Applied only in HeteroRL runs (``GEPO_SERVER_IDENTITY=1``, set in the Ray runtime env
 by ``hetero.enable=true``); nothing else changes.
 """
 
@@ -21,7 +21,7 @@ from gepo_plugin.verl_glue import seam
 #: TokenOutput.extra_fields key with the generating server's address.
 SERVER_ID = "server_id"
 #: Environment switch, set for every Ray process of a HeteroRL run.
-ENV = "GEPO_HETERO_SERVER_ID"
+ENV = "GEPO_SERVER_IDENTITY"
 
 _LAST_SERVER: contextvars.ContextVar[str | None] = contextvars.ContextVar("gepo_last_server", default=None)
 

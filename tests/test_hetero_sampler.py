@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 tq = pytest.importorskip("transfer_queue")
 
 from omegaconf import OmegaConf  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
 
 from gepo_plugin.hetero.settings import HeteroConfigError  # noqa: E402
-from gepo_plugin.verl_glue.hetero_sampler import HeteroReplayBuffer  # noqa: E402
+from gepo_plugin.verl_glue.hetero.replay_buffer import HeteroReplayBuffer  # noqa: E402
+from gepo_plugin.verl_glue.hetero.rollout_writer import RolloutWriter, clear_all  # noqa: E402
 
 pytestmark = pytest.mark.ray
 GROUP = 2  # responses per prompt
@@ -40,53 +38,7 @@ def transfer_queue():
 @pytest.fixture
 def clean(transfer_queue):
     yield transfer_queue
-    listing = tq.kv_list() or {}
-    for partition, items in listing.items():
-        if items:
-            tq.kv_clear(keys=list(items), partition_id=partition)
-
-
-class Rollouts:
-    """The rollout side of verl's TransferQueue protocol (what ``AgentLoopWorkerTQ`` writes)."""
-
-    def submit(self, step: int, n: int = 1) -> list[str]:
-        uids = [uuid.uuid4().hex for _ in range(n)]
-        tq.kv_batch_put(
-            keys=uids,
-            partition_id="train",
-            tags=[{"is_prompt": True, "status": "pending", "global_steps": step} for _ in uids],
-        )
-        return uids
-
-    def start(self, uid: str) -> None:
-        tq.kv_put(key=uid, partition_id="train", tag={"status": "running"})
-
-    def finish(self, uid: str, versions: list[tuple[int, int]], step: int = 1, status: str = "finished") -> None:
-        """Write one trajectory per ``(min_version, max_version)`` and mark the group terminal."""
-        keys = [f"{uid}_{i}_0" for i in range(len(versions))]
-        if keys:
-            tq.kv_batch_put(
-                keys=keys,
-                partition_id="train",
-                fields=TensorDict({"x": torch.zeros(len(keys), 3)}, batch_size=len(keys)),
-                tags=[
-                    {
-                        "status": "success",
-                        "global_steps": step,
-                        "min_global_steps": lo,
-                        "max_global_steps": hi,
-                        "seq_len": 3,
-                    }
-                    for lo, hi in versions
-                ],
-            )
-        tq.kv_put(key=uid, partition_id="train", tag={"status": status})
-
-    def produce(self, step: int, version: int, n: int = 1) -> list[str]:
-        uids = self.submit(step, n)
-        for uid in uids:
-            self.finish(uid, [(version, version)] * GROUP, step)
-        return uids
+    clear_all(tq)
 
 
 def make_buffer(refills: list[int] | None = None, **hetero) -> HeteroReplayBuffer:
@@ -109,7 +61,7 @@ def trained_uids(batch) -> set[str]:
 @pytest.mark.parametrize("max_lag", [0, 1, 8])
 def test_drop_bound_is_exact(clean, max_lag):
     """At learner version v, lag K is trained and lag K+1 is dropped (not K+1 trained, not K dropped)."""
-    rollouts, refills = Rollouts(), []
+    rollouts, refills = RolloutWriter(tq, group_size=GROUP), []
     buffer = make_buffer(refills, max_lag=max_lag, strategy="drop")
     step = 20  # sample(global_steps=20) trains version v = 19
     v = step - 1
@@ -126,7 +78,7 @@ def test_drop_bound_is_exact(clean, max_lag):
 
 
 def test_oldest_group_first_and_queue_depth(clean):
-    rollouts = Rollouts()
+    rollouts = RolloutWriter(tq, group_size=GROUP)
     buffer = make_buffer(max_lag=8, strategy="drop")
     young = rollouts.produce(step=3, version=4, n=2)
     old = rollouts.produce(step=3, version=2)
@@ -139,7 +91,7 @@ def test_oldest_group_first_and_queue_depth(clean):
 
 def test_lag_uses_the_oldest_token_of_the_group(clean):
     """A group whose trajectories span versions 3..6 has min_version 3, whatever its newest token."""
-    rollouts = Rollouts()
+    rollouts = RolloutWriter(tq, group_size=GROUP)
     buffer = make_buffer(max_lag=2, strategy="drop")
     (uid,) = rollouts.submit(step=4)
     rollouts.finish(uid, [(5, 6), (3, 6)], step=4)
@@ -154,7 +106,7 @@ def _sample_some(buffer, rollouts, global_steps):
 
 
 def test_mixed_versions_recorded_or_refused(clean):
-    rollouts = Rollouts()
+    rollouts = RolloutWriter(tq, group_size=GROUP)
     recorder = make_buffer(max_lag=8, strategy="drop")
     (uid,) = rollouts.submit(step=2)
     rollouts.finish(uid, [(1, 2), (1, 1)], step=2)
@@ -171,7 +123,7 @@ def test_mixed_versions_recorded_or_refused(clean):
 
 
 def test_failed_groups_are_counted(clean):
-    rollouts, refills = Rollouts(), []
+    rollouts, refills = RolloutWriter(tq, group_size=GROUP), []
     buffer = make_buffer(refills, max_lag=4, strategy="drop")
     (bad,) = rollouts.submit(step=1)
     rollouts.finish(bad, [], step=1, status="failure")
@@ -183,12 +135,12 @@ def test_failed_groups_are_counted(clean):
 
 def test_wait_blocks_until_an_urgent_group_finishes_and_trains_it_first(clean):
     """wait, K=2: at step g the learner may not train while an in-flight group from version g-3 runs."""
-    rollouts = Rollouts()
+    rollouts = RolloutWriter(tq, group_size=GROUP)
     buffer = make_buffer(max_lag=2, strategy="wait")
     (urgent,) = rollouts.submit(step=3)  # submitted at step 3: its tokens are from version >= 2
     rollouts.start(urgent)
     rollouts.produce(step=5, version=4, n=3)  # plenty of fresh groups
-    buffer.version_floor_by_step[3] = 2
+    buffer.core.version_floors[3] = 2
     # step 5 trains v=4; a group with min_version 2 has lag 2 now, 3 next step: it must be in this batch
     done = threading.Event()
 
@@ -208,7 +160,7 @@ def test_wait_blocks_until_an_urgent_group_finishes_and_trains_it_first(clean):
 
 
 def test_wait_does_not_block_on_groups_that_can_still_wait(clean):
-    rollouts = Rollouts()
+    rollouts = RolloutWriter(tq, group_size=GROUP)
     buffer = make_buffer(max_lag=2, strategy="wait")
     (later,) = rollouts.submit(step=4)  # version >= 3: lag 1 at v=4, 2 at v=5 -> may wait
     rollouts.start(later)
@@ -221,7 +173,7 @@ def test_wait_does_not_block_on_groups_that_can_still_wait(clean):
 
 def test_wait_overflow_is_evicted_and_counted_never_trained_late(clean):
     """More urgent groups than one batch: the excess is dropped as stale_overflow (counted), the bound holds."""
-    rollouts = Rollouts()
+    rollouts = RolloutWriter(tq, group_size=GROUP)
     buffer = make_buffer(max_lag=1, strategy="wait")
     rollouts.produce(step=2, version=1, n=3)
     _, metrics = buffer.sample(global_steps=3, partition_id="train", batch_size=1)  # v=2: lag 1 ok
@@ -233,7 +185,7 @@ def test_wait_overflow_is_evicted_and_counted_never_trained_late(clean):
 
 
 def test_resume_restores_ledger_and_queued_groups(clean):
-    rollouts = Rollouts()
+    rollouts = RolloutWriter(tq, group_size=GROUP)
     first = make_buffer(max_lag=8, strategy="drop")
     rollouts.produce(step=1, version=0, n=3)
     first.sample(global_steps=1, partition_id="train", batch_size=1)
@@ -248,7 +200,7 @@ def test_resume_restores_ledger_and_queued_groups(clean):
 
 
 def test_resume_counts_groups_missing_from_the_queue(clean):
-    rollouts = Rollouts()
+    rollouts = RolloutWriter(tq, group_size=GROUP)
     first = make_buffer(max_lag=8, strategy="drop")
     uids = rollouts.produce(step=1, version=0, n=2)
     first.sample(global_steps=1, partition_id="train", batch_size=1)
@@ -266,7 +218,7 @@ def test_resume_counts_groups_missing_from_the_queue(clean):
 def test_random_interleavings_keep_the_bound_and_the_books(clean):
     """Seeded random production (versions lagging by 0..6, some mixed, some failed) and sampling."""
     rng = np.random.default_rng(0)
-    rollouts, refills = Rollouts(), []
+    rollouts, refills = RolloutWriter(tq, group_size=GROUP), []
     buffer = make_buffer(refills, max_lag=3, strategy="drop")
     produced = 0
     for step in range(1, 16):

@@ -8,12 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gepo_plugin.hetero.accounting import AccountingError, RolloutLedger
-from gepo_plugin.hetero.staleness import (
-    BoundedStalenessQueue,
-    StalenessConfigError,
-    StalenessPolicy,
-    Verdict,
-)
+from gepo_plugin.hetero.core import MIXED, OVERFLOW, STALE, BoundViolation, StalenessCore
+from gepo_plugin.hetero.staleness import StalenessConfigError, StalenessPolicy, Verdict
 
 
 @pytest.mark.parametrize("k", [0, 1, 8])
@@ -22,7 +18,7 @@ def test_lag_k_is_trained_and_lag_k_plus_one_is_not(k):
     v = 20
     assert policy.verdict(v, v - k, v - k) is Verdict.TRAIN
     assert policy.verdict(v, v - k - 1, v - k - 1) is Verdict.DROP_STALE
-    assert policy.trainable(v, np.array([v - k, v - k - 1, v])).tolist() == [True, False, True]
+    assert policy.must_train_now(v, np.array([v - k, v - k + 1])).tolist() == [True, False]
     if k == 0:
         assert policy.verdict(v, v, v) is Verdict.TRAIN  # on-policy
 
@@ -36,10 +32,13 @@ def test_lag_counts_the_oldest_token_of_a_mixed_group():
 def test_admission_and_waiting():
     policy = StalenessPolicy(max_lag=2, strategy="wait", admission_margin=1)
     assert policy.may_start(10, 9) and not policy.may_start(10, 8)
-    assert policy.learner_may_advance(10, np.array([9, 10]))
-    assert not policy.learner_may_advance(10, np.array([8, 10]))  # at 11 the version-8 group would lag 3
-    assert policy.must_train_now(10, np.array([8, 9])).tolist() == [True, False]
-    assert StalenessPolicy(max_lag=2, strategy="drop").learner_may_advance(10, np.array([0]))
+    assert policy.must_train_now(10, np.array([8, 9])).tolist() == [True, False]  # at 11 version 8 would lag 3
+    core = StalenessCore(policy)
+    # in flight: "old" submitted at step 9 (its tokens are from version >= 8), "fresh" at step 10
+    assert core.urgent(10, {"old": 9, "fresh": 10}) == ["old"]  # the learner waits for "old" at version 10
+    core.version_floors[10] = 8  # a sampler still held version 8 when step 10 began: "fresh" may be that old
+    assert sorted(core.urgent(10, {"old": 9, "fresh": 10})) == ["fresh", "old"]
+    assert StalenessCore(StalenessPolicy(max_lag=2, strategy="drop")).urgent(10, {"old": 1}) == []
 
 
 @pytest.mark.parametrize(
@@ -73,10 +72,33 @@ def test_ledger_refuses_double_counting_and_restores_from_state():
         RolloutLedger.from_state_dict(broken)
 
 
+def test_the_core_evicts_with_reasons_selects_oldest_first_and_refuses_to_break_the_bound():
+    core = StalenessCore(StalenessPolicy(max_lag=2, strategy="drop", refuse_mixed_versions=True))
+    core.finished("old", 5, 5, submitted=6)
+    core.finished("mixed", 8, 9, submitted=9)
+    core.finished("b", 9, 9, submitted=10)
+    core.finished("a", 9, 9, submitted=9)
+    core.version_floors[10] = 7  # a sampler still held version 7 when step 10 began
+    core.failed("gone", submitted=10)
+    assert core.ledger.queued_groups()["gone"] == 7
+    assert core.evictions(10) == {"old": STALE, "mixed": MIXED, "gone": "failed"}
+    core.drop(core.evictions(10))
+    assert core.select(["b", "a"], 1) == ["a"]  # same version: the earlier submission first
+    assert core.train(["a", "b"], 10).tolist() == [1, 1]
+    assert core.metrics()["hetero/dropped/stale"] == 1 and core.metrics()["hetero/trained"] == 2
+    core.finished("late", 7, 7)
+    with pytest.raises(BoundViolation, match="lag 3 > max_lag 2"):
+        core.train(["late"], 10)
+    waiting = StalenessCore(StalenessPolicy(max_lag=2, strategy="wait"))
+    waiting.finished("x", 7, 7)
+    assert waiting.evictions(10) == {"x": OVERFLOW}  # under wait an expired group is an overflow, never "stale"
+
+
 operations = st.lists(
     st.one_of(
         st.tuples(st.just("produce"), st.integers(0, 6), st.integers(0, 2)),  # sampler behind by d, spans s
         st.tuples(st.just("step"), st.integers(1, 4), st.just(0)),  # learner update, batch size
+        st.tuples(st.just("resume"), st.just(0), st.just(0)),  # save and restore the books mid-run
     ),
     max_size=60,
 )
@@ -85,27 +107,29 @@ operations = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(ops=operations, k=st.integers(0, 4), strategy=st.sampled_from(["drop", "wait"]))
 def test_random_interleavings_never_exceed_the_bound_nor_lose_a_rollout(ops, k, strategy):
-    policy = StalenessPolicy(max_lag=k, strategy=strategy, admission_margin=0)
-    queue = BoundedStalenessQueue(policy)
-    version, produced_min_version, trained_lags = 0, {}, []
+    """The core driven as verl drives it: every step evicts, selects and trains one batch, then the learner
+    advances. The bound always holds, the books always balance, and a resume changes nothing."""
+    core = StalenessCore(StalenessPolicy(max_lag=k, strategy=strategy, admission_margin=0))
+    version, produced, trained_lags = 0, 0, []
     for kind, a, b in ops:
         if kind == "produce":
             min_version = max(0, version - a)
-            if strategy == "wait" and not policy.may_start(version, min_version):
+            if not core.may_start(version, min_version):
                 continue  # admission control: this rollout could not be trained in time
-            group_id = f"g{len(produced_min_version)}"
-            produced_min_version[group_id] = min_version
-            queue.add(group_id, min_version, min(version, min_version + b))
+            core.finished(f"g{produced:04d}", min_version, min(version, min_version + b), submitted=version + 1)
+            produced += 1
+        elif kind == "step":
+            reasons = core.evictions(version)
+            assert set(reasons.values()) <= ({STALE} if strategy == "drop" else {OVERFLOW})
+            core.drop(reasons)
+            chosen = core.select(core.queued, batch_size=a)
+            trained_lags += core.train(chosen, version).tolist()
+            version += 1
         else:
-            chosen = queue.select(version, batch_size=a)
-            trained_lags += [version - produced_min_version[g] for g in chosen]
-            pending = list(queue.ledger.queued_groups().values())
-            if policy.learner_may_advance(version, np.array(pending)):
-                version += 1
-        queue.ledger.check()
-        assert queue.ledger.produced == len(produced_min_version)
+            restored = StalenessCore(core.policy)
+            restored.load_state_dict(core.state_dict())
+            assert restored.metrics() == core.metrics() and restored.queued == core.queued
+            core = restored
+        core.ledger.check()
+        assert core.ledger.produced == produced
     assert all(lag <= k for lag in trained_lags), trained_lags
-    if strategy == "wait":
-        assert sum(queue.ledger.dropped.values()) == 0  # dropless
-    restored = RolloutLedger.from_state_dict(queue.ledger.state_dict())
-    assert restored.metrics() == queue.ledger.metrics()

@@ -9,12 +9,12 @@ from conftest import make_batch
 from test_config import composed
 
 from gepo_plugin.hetero.lag_buckets import bucket_labels, weight_stats_by_lag, weight_sums_by_lag
+from gepo_plugin.hetero.lags import response_lags
 from gepo_plugin.hetero.settings import HeteroConfigError, parse_hetero
 from gepo_plugin.maths import group_log_expectation_from_tokens
-from gepo_plugin.verl_glue.hetero_trainer import sample_lags
-from gepo_plugin.verl_glue.hetero_wiring import SAMPLER_NAME, SAMPLER_PATH
+from gepo_plugin.verl_glue.hetero.wiring import SAMPLER_NAME, SAMPLER_PATH
 from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config
-from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, SAMPLE_LAG, ppo_loss_with_sample_terms
+from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, RESPONSE_LAG, ppo_loss_with_response_terms
 
 ASYNC = [
     "trainer.v1.trainer_mode=separate_async",
@@ -32,7 +32,7 @@ def test_enable_selects_the_plugins_sampler_and_trainer(loss, trainer):
     assert config.trainer.v1.sampler.custom_sampler.path == SAMPLER_PATH
     assert config.trainer.v1.sampler.custom_sampler.name == SAMPLER_NAME
     assert config.trainer.v1.sampler.sampler_kwargs.max_lag == 4
-    assert config.ray_kwargs.ray_init.runtime_env.env_vars.GEPO_HETERO_SERVER_ID == "1"
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.GEPO_SERVER_IDENTITY == "1"
     # verl's loader finds the class at that path
     from verl.utils.import_utils import load_extern_object
 
@@ -79,7 +79,7 @@ def test_paper_interval_builds_a_clipped_lognormal():
     assert model.quantile(0.0025) == pytest.approx(60) and model.quantile(0.9975) == pytest.approx(1920)
 
 
-def test_sample_lags_use_the_oldest_token_of_each_group():
+def test_response_lags_use_the_oldest_token_of_each_group():
     keys = ["a_0_0", "a_1_0", "b_0_0", "b_1_0", "a_0_0"]
     tags = [
         {"min_global_steps": 5},
@@ -88,7 +88,7 @@ def test_sample_lags_use_the_oldest_token_of_each_group():
         {"min_global_steps": 6},
         {"is_padding": True},
     ]
-    np.testing.assert_array_equal(sample_lags(keys, tags, learner_version=6), [3, 3, 0, 0, 0])
+    np.testing.assert_array_equal(response_lags(keys, tags, learner_version=6), [3, 3, 0, 0, 0])
 
 
 def test_weight_stats_by_lag_match_numpy():
@@ -142,12 +142,12 @@ def test_gepo_weight_by_lag_bucket_through_verls_ppo_loss_and_metric_aggregation
                 b.old_log_prob[rows],
                 b.advantages[rows],
                 b.mask[rows],
-                {LOG_GROUP_EXPECTATION: log_eq[rows], SAMPLE_LAG: lags[rows]},
+                {LOG_GROUP_EXPECTATION: log_eq[rows], RESPONSE_LAG: lags[rows]},
                 dp_size=2,
                 batch_num_tokens=int(b.mask.sum()),
                 global_batch_size=16,
             )
-            _, metrics = ppo_loss_with_sample_terms(config, model_output=model_output, data=data)
+            _, metrics = ppo_loss_with_response_terms(config, model_output=model_output, data=data)
             append_to_dict(aggregated, metrics)
         per_rank.append(aggregated)
     assert per_rank[0].keys() == per_rank[1].keys()
@@ -165,7 +165,7 @@ def test_gepo_weight_by_lag_bucket_through_verls_ppo_loss_and_metric_aggregation
     model_output, data = build_loss_inputs(
         b.log_prob, b.old_log_prob, b.advantages, b.mask, {LOG_GROUP_EXPECTATION: log_eq}
     )
-    _, metrics = ppo_loss_with_sample_terms(config, model_output=model_output, data=data)
+    _, metrics = ppo_loss_with_response_terms(config, model_output=model_output, data=data)
     assert not any("iw_by_lag" in key for key in metrics)
 
 
@@ -176,18 +176,18 @@ def test_hybrid_engine_off_fix_makes_verls_setup_log_call_work(monkeypatch, capl
     import verl.trainer.ppo.v1.trainer_separate_async as module
 
     from gepo_plugin import patching
-    from gepo_plugin.verl_glue.hetero_trainer import apply_hybrid_off_fix
+    from gepo_plugin.verl_glue.hetero.trainer import apply_hybrid_engine_off_patch
 
     monkeypatch.setattr(module, "logger", logging.getLogger(module.__name__))
     monkeypatch.setattr(patching, "APPLIED", [])
     module.logger.setLevel(logging.INFO)
     with pytest.raises(TypeError, match="flush"):
         module.logger.info("hybrid replicas disabled", flush=True)
-    apply_hybrid_off_fix()
+    apply_hybrid_engine_off_patch()
     with caplog.at_level(logging.INFO, logger=module.__name__):
         module.logger.info("hybrid replicas disabled", flush=True)
     assert "hybrid replicas disabled" in caplog.text
-    assert patching.applied_patches() == ["separate_async_logger"]
+    assert patching.applied_patches() == ["hybrid_engine_off"]
 
 
 def test_hybrid_engine_off_fix_refuses_another_verl(monkeypatch):
@@ -199,7 +199,7 @@ def test_hybrid_engine_off_fix_refuses_another_verl(monkeypatch):
 
     monkeypatch.setattr(verl, "__version__", "0.9.9")
     with pytest.raises(PatchVersionError, match=r"0\.9\.9"):
-        apply(importlib.import_module("gepo_plugin.patches.separate_async_logger").PATCH)
+        apply(importlib.import_module("gepo_plugin.patches.hybrid_engine_off").PATCH)
 
 
 def test_an_optional_patch_on_another_verl_warns_with_what_is_lost(monkeypatch, caplog):

@@ -37,7 +37,7 @@ def run_python(code: str, env_extra: dict[str, str] | None = None) -> subprocess
         "import gepo_plugin.verl_glue.advantages",
         "from verl.trainer.ppo.core_algos import get_policy_loss_fn",
         "from verl.trainer.ppo.v1.trainer_base import PPOTrainer",
-        "import gepo_plugin.verl_glue.hetero_sampler",
+        "import gepo_plugin.verl_glue.hetero.replay_buffer",
     ],
 )
 def test_registration_is_complete_and_silent_in_any_import_order(first):

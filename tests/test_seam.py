@@ -62,7 +62,7 @@ def test_a_missing_private_method_refuses_only_its_feature(monkeypatch):
 def test_the_hetero_sampler_refuses_to_start_without_its_contacts(monkeypatch):
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
-    from gepo_plugin.verl_glue.hetero_sampler import HeteroReplayBuffer
+    from gepo_plugin.verl_glue.hetero.replay_buffer import HeteroReplayBuffer
 
     monkeypatch.delattr(ReplayBuffer, "_materialize_batch", raising=True)  # not a contact: no effect
     seam.require("hetero")
@@ -104,7 +104,7 @@ def test_a_changed_signature_or_tuple_layout_is_caught(monkeypatch):
 def test_a_patch_refuses_when_its_target_is_gone(monkeypatch):
     import verl.trainer.ppo.v1.trainer_separate_async as module
 
-    from gepo_plugin.patches.separate_async_logger import PATCH
+    from gepo_plugin.patches.hybrid_engine_off import PATCH
     from gepo_plugin.patching import APPLIED, apply
 
     monkeypatch.delattr(module, "logger")
@@ -132,7 +132,7 @@ def _plugin_classes_over_verl():
     import gepo_plugin.cpu_backend.platform as platform
     import gepo_plugin.cpu_backend.ray_mailbox_engine as mailbox
     import gepo_plugin.verl_glue.config as config
-    import gepo_plugin.verl_glue.hetero_sampler as sampler
+    import gepo_plugin.verl_glue.hetero.replay_buffer as sampler
     import gepo_plugin.verl_glue.trainers as trainers
 
     classes = []

@@ -8,7 +8,7 @@ from conftest import make_batch
 
 from gepo_plugin.maths import group_log_expectation_from_tokens
 from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config
-from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_sample_terms
+from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
 
 BASE = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=2", "clip_ratio_low=0.2", "clip_ratio_high=0.2"]
 
@@ -35,7 +35,7 @@ def run_micro_batches(config, b, micro_batches, with_term=True):
             batch_num_tokens=total_tokens,
             global_batch_size=len(b.group_ids),
         )
-        loss, m = ppo_loss_with_sample_terms(config, model_output=model_output, data=data)
+        loss, m = ppo_loss_with_response_terms(config, model_output=model_output, data=data)
         losses.append(loss)
         metrics.append(m)
     total = torch.stack(losses).sum()

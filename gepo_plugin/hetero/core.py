@@ -63,6 +63,10 @@ class StalenessCore:
         self._groups: dict[str, GroupVersions] = {}
         self._failed: dict[str, GroupVersions] = {}
         self.mixed_version_trained = 0
+        #: learner step -> the oldest weight version any sampler held when the step began (the weight path
+        #: records it: verl's delayed weight sync, the lab's driver). A step without an entry means every sampler
+        #: got the learner's weights at once, so its floor is ``step - 1``.
+        self.version_floors: dict[int, int] = {}
 
     # ------------------------------------------------------------------ events
     def known(self, uid: str) -> bool:
@@ -76,10 +80,17 @@ class StalenessCore:
         self.ledger.produce(uid, int(min_version))
         self._groups[uid] = GroupVersions(int(min_version), int(max_version), int(submitted))
 
-    def failed(self, uid: str, version_bound: int, submitted: int = 0) -> None:
+    def failed(self, uid: str, submitted: int) -> None:
         """A group failed (no usable trajectory); it is counted as produced and evicted as ``failed``."""
-        self.ledger.produce(uid, int(version_bound))
-        self._failed[uid] = GroupVersions(int(version_bound), int(version_bound), int(submitted))
+        bound = self.lower_bound(submitted)
+        self.ledger.produce(uid, bound)
+        self._failed[uid] = GroupVersions(bound, bound, int(submitted))
+
+    def lower_bound(self, submitted: int) -> int:
+        """A version no newer than the oldest token of a group whose prompt was submitted at learner step
+        ``submitted``: the oldest version any sampler held when that step began. Which sampler serves a prompt is
+        not known when it is submitted, so the bound is the floor over all of them."""
+        return int(self.version_floors.get(int(submitted), int(submitted) - 1))
 
     # ------------------------------------------------------------------ decisions
     def may_start(self, learner_version: int, sampler_version: int) -> bool:
@@ -109,13 +120,15 @@ class StalenessCore:
                 self._groups.pop(uid, None)
                 self._failed.pop(uid, None)
 
-    def urgent(self, learner_version: int, in_flight_lower_bounds: Mapping[str, int]) -> list[str]:
-        """In-flight groups (``uid -> a version no newer than their oldest token``) that would exceed the bound if
-        the learner trained ``learner_version`` now; under ``wait`` the learner must wait for them."""
-        if self.policy.max_lag is None or self.policy.strategy != "wait":
+    def urgent(self, learner_version: int, in_flight: Mapping[str, int]) -> list[str]:
+        """In-flight groups (``uid -> the learner step its prompt was submitted at``) that could exceed the bound
+        if the learner trained ``learner_version`` now; under ``wait`` the learner must wait for them."""
+        if self.policy.strategy != "wait" or not in_flight:
             return []
-        deadline = learner_version + 1 - self.policy.max_lag
-        return [uid for uid, bound in in_flight_lower_bounds.items() if bound < deadline]
+        uids = list(in_flight)
+        bounds = np.array([self.lower_bound(in_flight[uid]) for uid in uids])
+        expiring = self.policy.must_train_now(learner_version, bounds)
+        return [uid for uid, expires in zip(uids, expiring, strict=True) if expires]
 
     def select(self, candidates: Iterable[str], batch_size: int) -> list[str]:
         """The groups to train: oldest weight version first, then the earliest submission, then the id."""
@@ -160,6 +173,7 @@ class StalenessCore:
             "groups": {uid: [v.min, v.max, v.submitted] for uid, v in self._groups.items()},
             "failed": {uid: [v.min, v.max, v.submitted] for uid, v in self._failed.items()},
             "mixed_version_trained": self.mixed_version_trained,
+            "version_floors": {str(step): floor for step, floor in self.version_floors.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -167,6 +181,9 @@ class StalenessCore:
         self._groups = {uid: GroupVersions(*map(int, v)) for uid, v in state["groups"].items()}
         self._failed = {uid: GroupVersions(*map(int, v)) for uid, v in state.get("failed", {}).items()}
         self.mixed_version_trained = int(state.get("mixed_version_trained", 0))
+        # in place: the weight path holds a reference to this dict
+        self.version_floors.clear()
+        self.version_floors.update({int(step): int(floor) for step, floor in state.get("version_floors", {}).items()})
         queued = set(self.ledger.queued_groups())
         if queued != set(self._groups) | set(self._failed):
             raise ValueError("hetero state: the ledger's queued groups differ from the recorded versions")

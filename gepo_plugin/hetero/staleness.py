@@ -16,13 +16,16 @@ Definitions (the whole contract):
 Strategies:
 
 * ``drop``: a group whose lag would exceed K when trained is evicted (reason ``stale``).
-* ``wait``: nothing is dropped for staleness. The learner may not advance to ``v+1`` while a
-  pending group (queued or in flight) has ``min_version < v + 1 - K``. Those groups must be
-  trained at ``v`` first. Samplers stop *starting* rollouts that could not be trained in time
-  (admission control, :meth:`StalenessPolicy.may_start`).
+* ``wait``: the learner may not train ``v`` while a group still in flight has ``min_version < v + 1 - K``
+  (:meth:`StalenessPolicy.must_train_now`): it waits for it, and such groups are trained first. Samplers stop
+  *starting* rollouts that could not be trained in time (admission control, :meth:`StalenessPolicy.may_start`).
+  Only if more such groups finish at once than one batch holds does the excess expire (reason
+  ``stale_overflow``): the bound is never broken.
 
 ``refuse_mixed_versions`` additionally evicts groups whose tokens span several versions
 (reason ``mixed_versions``); otherwise they are trained and counted.
+
+This module is the rule; :mod:`gepo_plugin.hetero.core` applies it to a queue for every caller.
 """
 
 from __future__ import annotations
@@ -76,11 +79,6 @@ class StalenessPolicy:
                 "start a rollout; lower the margin or raise max_lag"
             )
 
-    @staticmethod
-    def lag(learner_version, min_version):
-        """``learner_version - min_version`` (works on numbers and numpy arrays)."""
-        return np.subtract(learner_version, min_version)
-
     def verdict(self, learner_version: int, min_version: int, max_version: int) -> Verdict:
         """What to do with a group if it were trained at ``learner_version``."""
         if min_version > max_version or max_version > learner_version:
@@ -94,12 +92,6 @@ class StalenessPolicy:
             return Verdict.DROP_STALE
         return Verdict.TRAIN
 
-    def trainable(self, learner_version: int, min_versions: np.ndarray) -> np.ndarray:
-        """Vectorised lag check for many groups: True where lag <= max_lag."""
-        if self.max_lag is None:
-            return np.ones(np.shape(min_versions), dtype=bool)
-        return self.lag(learner_version, np.asarray(min_versions)) <= self.max_lag
-
     def may_start(self, learner_version: int, sampler_version: int) -> bool:
         """Admission control: start a rollout with ``sampler_version`` weights only if it can still be
         trained within the bound after at least ``admission_margin`` more learner updates."""
@@ -107,73 +99,8 @@ class StalenessPolicy:
             return True
         return (learner_version - sampler_version) + self.admission_margin <= self.max_lag
 
-    def learner_may_advance(self, learner_version: int, pending_min_versions: np.ndarray) -> bool:
-        """``wait`` strategy: may the learner move to ``learner_version + 1`` given pending groups?
-
-        True when every pending group (queued or in flight) would still be within the bound at the
-        next version. Under ``drop`` the learner never waits.
-        """
-        if self.max_lag is None or self.strategy == "drop":
-            return True
-        pending = np.asarray(pending_min_versions)
-        return bool(np.all(pending >= learner_version + 1 - self.max_lag)) if pending.size else True
-
     def must_train_now(self, learner_version: int, min_versions: np.ndarray) -> np.ndarray:
-        """Groups that would exceed the bound after this update, so must be in this batch (``wait``)."""
+        """Groups that would exceed the bound after this update: trained at ``learner_version`` or never."""
         if self.max_lag is None:
             return np.zeros(np.shape(min_versions), dtype=bool)
         return np.asarray(min_versions) < learner_version + 1 - self.max_lag
-
-
-class BoundedStalenessQueue:
-    """Finished groups waiting for the learner, selected oldest-first under a :class:`StalenessPolicy`.
-
-    The queue owns a :class:`~gepo_plugin.hetero.accounting.RolloutLedger`, so every group it ever
-    received is trained, dropped with a reason, or still queued.
-    """
-
-    def __init__(self, policy: StalenessPolicy, ledger=None) -> None:
-        from gepo_plugin.hetero.accounting import RolloutLedger
-
-        self.policy = policy
-        self.ledger = ledger if ledger is not None else RolloutLedger()
-        self._max_version: dict[str, int] = {}
-        self.mixed_version_groups = 0
-
-    def add(self, group_id: str, min_version: int, max_version: int) -> None:
-        if min_version > max_version:
-            raise ValueError(f"group {group_id!r}: min_version {min_version} > max_version {max_version}")
-        self.ledger.produce(group_id, min_version)
-        self._max_version[group_id] = int(max_version)
-        if min_version != max_version:
-            self.mixed_version_groups += 1
-
-    def select(self, learner_version: int, batch_size: int) -> list[str]:
-        """Groups to train at ``learner_version``: evict what the policy refuses, then the oldest first.
-
-        Under ``wait`` every group that would be too old after this update is included, even if
-        that makes the batch larger than ``batch_size``: the bound is never exceeded.
-        """
-        queued = self.ledger.queued_groups()
-        stale, mixed, keep = [], [], []
-        for group_id, min_version in queued.items():
-            verdict = self.policy.verdict(learner_version, min_version, self._max_version[group_id])
-            (stale if verdict is Verdict.DROP_STALE else mixed if verdict is Verdict.DROP_MIXED else keep).append(
-                group_id
-            )
-        if stale and self.policy.strategy == "wait":
-            raise RuntimeError(
-                f"wait strategy violated: {len(stale)} queued group(s) are already older than max_lag; "
-                "the learner advanced while they were pending"
-            )
-        self.ledger.drop(stale, Verdict.DROP_STALE.value)
-        self.ledger.drop(mixed, Verdict.DROP_MIXED.value)
-        keep.sort(key=lambda gid: queued[gid])
-        chosen = keep[:batch_size]
-        if self.policy.strategy == "wait":
-            urgent = set(np.asarray(keep)[self.policy.must_train_now(learner_version, [queued[g] for g in keep])])
-            chosen += [gid for gid in keep[batch_size:] if gid in urgent]
-        self.ledger.train(chosen)
-        for group_id in [*stale, *mixed, *chosen]:
-            self._max_version.pop(group_id, None)
-        return chosen

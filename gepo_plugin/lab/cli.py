@@ -15,6 +15,7 @@ EPILOG = """examples:
   gepo-lab variance --out lab_out/variance
   gepo-lab stability --preset ci --out lab_out/stability_ci
   gepo-lab stability --preset ci --methods gepo --lags 8 --live --time-scale 0.05
+  gepo-lab paired lab_out/stability/stability_summary.json --a gepo --b gspo grpo
 """
 
 
@@ -49,7 +50,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per lab (options from each lab's ``add_*_arguments``)."""
-    from gepo_plugin.lab import stability, variance
+    from gepo_plugin.lab import paired, stability, variance
 
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -61,9 +62,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{stability,variance}",
+        metavar="{stability,variance,paired}",
         help="stability: does each method keep its best eval score under policy lag (simulated or --live "
-        "samplers); variance: Figure 2, variance of p/q vs p/E_q[q] from closed forms",
+        "samplers); variance: Figure 2, variance of p/q vs p/E_q[q] from closed forms; paired: is one method "
+        "really better than another over paired seeds (mean difference with a 95%% CI, sign test)",
     )
     stability.add_stability_arguments(
         commands.add_parser(
@@ -81,6 +83,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
             formatter_class=_HelpFormatter,
         )
     )
+    paired.add_paired_arguments(
+        commands.add_parser(
+            "paired",
+            help="paired comparison of two methods over seeds from stability summaries (CI and sign test)",
+            description=_doc_head(paired.__doc__) + "\n\n" + paired.__doc__.strip().split("\n\n")[1],
+            formatter_class=_HelpFormatter,
+        )
+    )
     return parser
 
 
@@ -89,14 +99,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
     Bad options exit with status 2 and a message naming the problem (argparse's ``error``).
     """
-    from gepo_plugin.lab import stability, variance
+    from gepo_plugin.lab import paired, stability, variance
 
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     sub = parser._subparsers._group_actions[0].choices[args.command]  # the sub-parser, for its error messages
-    if args.command == "stability":
-        return stability.run_cli(args, sub)
-    return variance.run_cli(args, sub)
+    runners = {"stability": stability.run_cli, "variance": variance.run_cli, "paired": paired.run_cli}
+    return runners[args.command](args, sub)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ heterogeneous samplers:
   0.2/0.2; BNPO through :func:`~gepo_plugin.maths.bnpo_advantages`). ``old_log_prob`` is the sampler's
   log-probs (bypass mode); GEPO's group term comes from them via
   :func:`~gepo_plugin.maths.group_log_expectation_from_tokens` and
-  :func:`~gepo_plugin.verl_glue.sample_terms.provide_sample_terms`.
+  :func:`~gepo_plugin.verl_glue.response_terms.provide_response_terms`.
 * **Asynchrony**: a seeded discrete-event simulation (simulated time, reproducible bit for bit):
   samplers of different speeds, weights arriving as HeteroRL's
   :class:`~gepo_plugin.hetero.weight_schedule.WeightArrivalSchedule` says, with log-normal delays

@@ -127,6 +127,7 @@ class _SamplerState:
     actor: Any
     version: int = 0  # the version the actor holds (loaded)
     version_in_use: int = 0
+    submitted: int = 0
     busy: bool = False
     batches: int = 0
     compute_seconds: float = 0.0
@@ -244,7 +245,7 @@ class LiveCluster:
         last_progress = 0.0
 
         def in_flight() -> dict[str, int]:
-            return {f"s{s.index}/{j}": s.version_in_use for s in states if s.busy for j in range(g)}
+            return {f"s{s.index}/{j}": s.submitted for s in states if s.busy for j in range(g)}
 
         def collect(refs: list[Any]) -> None:
             for ref in refs:
@@ -267,6 +268,7 @@ class LiveCluster:
                 learner.finish_update()
                 weights[learner.version] = ray.put(_snapshot(model))
                 schedule.publish(learner.version, clock())
+                learner.note_weights_published(schedule.oldest_held())
                 last_progress = clock()
                 if on_step is not None:
                     on_step(record)
@@ -292,7 +294,7 @@ class LiveCluster:
                     busy_groups = g * sum(s.busy for s in states)
                     if not state.busy and learner.sampler_may_start(state.version, busy_groups):
                         pending[state.actor.generate.remote(next_gid, learner.step)] = state
-                        state.busy, state.version_in_use = True, state.version
+                        state.busy, state.version_in_use, state.submitted = True, state.version, learner.step
                         next_gid += g
                         record.rollout_batches += 1
                         acted = True

@@ -64,6 +64,7 @@ from gepo_plugin.maths import (
     sequence_log_prob,
 )
 from gepo_plugin.verl_glue.presets import ACTOR, PRESETS
+from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, provide_response_terms
 
 #: Which importance weight each method's loss actually uses (for the weight-variance diagnostic).
 OWN_WEIGHT = {"gepo": "gepo", "gspo": "seq_is", "grpo": "token_is", "dr_grpo": "token_is", "bnpo": "token_is"}
@@ -174,10 +175,6 @@ def policy_update(
     ratio p/q (``seq_is_var``) and of GEPO's p/E_hat_q[q] (``gepo_w_var``) for every method alike, and the
     learner-sampler k3 KL (token mean).
     """
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
-
-    from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, provide_sample_terms
-
     group_size = groups[0].tokens.shape[0]
     tokens = torch.cat([g.tokens for g in groups])
     old_log_prob = torch.cat([g.log_probs for g in groups])
@@ -192,6 +189,8 @@ def policy_update(
         seq_adv = group_advantages(rewards, index, normalize_by_std=spec.norm_by_std)
     fmask = mask.to(torch.float32)
     advantages = seq_adv.unsqueeze(1) * fmask  # verl's outcome advantages are masked the same way
+
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn  # verl's registry (the plugin's loss is in it)
 
     model.train()
     log_prob = token_log_probs(model, task.prompts[problems], tokens, temperature) * fmask
@@ -208,7 +207,7 @@ def policy_update(
     )
     log_e = group_log_expectation_from_tokens(old_log_prob, mask, group_ids)
     if spec.needs_group_term:
-        with provide_sample_terms({LOG_GROUP_EXPECTATION: log_e}):
+        with provide_response_terms({LOG_GROUP_EXPECTATION: log_e}):
             loss, loss_metrics = loss_fn(**kwargs)
     else:
         loss, loss_metrics = loss_fn(**kwargs)
@@ -386,8 +385,13 @@ class Learner:
     def admit(self, groups: list[Rollout]) -> None:
         self.queue.admit(groups)
 
+    def note_weights_published(self, oldest_held: int) -> None:
+        """A new learner step begins: record the oldest weights any sampler holds (the in-flight bound of prompts
+        dispatched during the step, exactly as verl's delayed weight sync records it)."""
+        self.queue.core.version_floors[self.step] = int(oldest_held)
+
     def ready(self, in_flight: dict[str, int]) -> bool:
-        """May an update start now (``in_flight``: in-flight group name -> the version generating it)?"""
+        """May an update start now (``in_flight``: in-flight group name -> the learner step it was dispatched at)?"""
         return not self.busy and self.queue.ready(self.version, self.config.prompts_per_step, in_flight)
 
     def train(self, now: float) -> dict[str, float]:
@@ -436,6 +440,7 @@ class _Sampler:
     seconds: float
     busy_until: float | None = None
     version_in_use: int = 0
+    submitted: int = 0
     batch: list[Rollout] = field(default_factory=list)
 
 
@@ -474,7 +479,7 @@ def simulate_run(
     g = config.groups_per_batch
 
     def in_flight() -> dict[str, int]:
-        return {f"s{s.index}/{j}": s.version_in_use for s in samplers if s.busy_until is not None for j in range(g)}
+        return {f"s{s.index}/{j}": s.submitted for s in samplers if s.busy_until is not None for j in range(g)}
 
     def start_batch(sampler: _Sampler) -> None:
         nonlocal next_gid
@@ -496,7 +501,7 @@ def simulate_run(
             learner.step,
         )
         next_gid += g
-        sampler.version_in_use = held
+        sampler.version_in_use, sampler.submitted = held, learner.step
         sampler.busy_until = now + sampler.seconds
         record.rollout_batches += 1
 
@@ -530,6 +535,7 @@ def simulate_run(
             versions[learner.version + 1] = _snapshot(model)
             learner.finish_update()
             schedule.publish(learner.version, now)
+            learner.note_weights_published(schedule.oldest_held())
             if on_step is not None:
                 on_step(record)
         for sampler in samplers:

@@ -16,7 +16,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from gepo_plugin.hetero.lag_buckets import BY_LAG, weight_sums_by_lag
 from gepo_plugin.maths import GroupIndex, gepo_token_losses, group_log_expectation, sequence_log_prob
 from gepo_plugin.verl_glue.config import gepo_options
-from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, SAMPLE_LAG, current_sample_terms
+from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, RESPONSE_LAG, current_response_terms
 
 METRIC_PREFIX = "actor/gepo/"
 
@@ -48,7 +48,7 @@ def resolve_log_group_expectation(
 ) -> torch.Tensor:
     """The per-row denominator ``log E_hat_q[q]`` for this micro-batch, by ``group_scope``."""
     if group_scope == "prompt":
-        terms = current_sample_terms()
+        terms = current_response_terms()
         if LOG_GROUP_EXPECTATION not in terms:
             raise GroupTermMissingError(GROUP_TERM_MISSING)
         term = terms[LOG_GROUP_EXPECTATION].to(device=old_log_prob.device)
@@ -120,7 +120,7 @@ def compute_policy_loss_gepo(
     metrics[f"{METRIC_PREFIX}clipfrac"] = m["clipfrac"]
     metrics[f"{METRIC_PREFIX}sampler_kl"] = m["sampler_kl"]
     metrics[f"{METRIC_PREFIX}group_term_present"] = 1.0 if group_scope == "prompt" else 0.0
-    lags = current_sample_terms().get(SAMPLE_LAG)
+    lags = current_response_terms().get(RESPONSE_LAG)
     if lags is not None and terms.log_weights is not None:
         # HeteroRL: GEPO's weight by staleness bucket. Every bucket is reported in every micro-batch as additive
         # totals (verl needs the same keys everywhere); the trainer turns the step's totals into mean/var/fraction.

@@ -76,7 +76,7 @@ def _apply_server_identity() -> None:
 def install() -> None:
     """Register the post-import hooks (idempotent enough: a second hook finds the modules imported).
 
-    HeteroRL runs set ``GEPO_HETERO_SERVER_ID=1`` in every Ray process (``hetero.enable=true``): there rollouts
+    HeteroRL runs set ``GEPO_SERVER_IDENTITY=1`` in every Ray process (``hetero.enable=true``): there rollouts
     are tagged with the server that generated them once verl's rollout client is imported.
     """
     import os

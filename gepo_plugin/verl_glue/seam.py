@@ -88,7 +88,7 @@ _BUFFER = "verl.trainer.ppo.v1.replay_buffer"
 _SERVER = "verl.workers.rollout.llm_server"
 
 CONTACTS: tuple[Contact, ...] = (
-    # the plugin's trainers (SampleTermsMixin, HeteroMixin) extend these steps of verl's V1 trainer
+    # the plugin's trainers (ResponseTermsMixin, HeteroMixin) extend these steps of verl's V1 trainer
     Contact(_TRAINER, "PPOTrainer._setup", ("group_term", "hetero"), "override: install the loss wrapper", ("self",)),
     Contact(
         _TRAINER,

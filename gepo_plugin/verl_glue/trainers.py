@@ -2,13 +2,13 @@
 
 Registered with verl's public ``register_trainer`` as ``gepo_sync``, ``gepo_colocate_async`` and
 ``gepo_separate_async`` (select with ``trainer.v1.trainer_mode``). Each is verl's own trainer
-of that mode plus :class:`SampleTermsMixin`, which
+of that mode plus :class:`ResponseTermsMixin`, which
 
 1. after verl's ``_compute_advantage`` (the last step that sees the batch with ``uid`` before
    the actor update), reads ``old_log_probs`` (the sampler's log-probs in bypass mode),
    computes ``log E_hat_q[q]`` per prompt group for all groups at once, and writes it per
    sample into the batch (TransferQueue), so it survives verl's repartitioning;
-2. after verl's worker set-up, installs :func:`ppo_loss_with_sample_terms` on the actor
+2. after verl's worker set-up, installs :func:`ppo_loss_with_response_terms` on the actor
    workers through verl's public ``set_loss_fn``, so the registered ``gepo`` loss can read it.
 """
 
@@ -29,8 +29,8 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from gepo_plugin.maths import GroupIndex, group_log_expectation_from_tokens
 from gepo_plugin.verl_glue import seam
-from gepo_plugin.verl_glue.hetero_trainer import HeteroMixin
-from gepo_plugin.verl_glue.sample_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_sample_terms
+from gepo_plugin.verl_glue.hetero.trainer import HeteroMixin
+from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def compute_group_terms(uids: np.ndarray, old_log_probs: torch.Tensor, response_
     return log_eq.to(torch.float32), metrics
 
 
-class SampleTermsMixin:
+class ResponseTermsMixin:
     """Adds the trainer-side group term and the loss wrapper to a verl V1 trainer."""
 
     def __init__(self, config):
@@ -57,9 +57,9 @@ class SampleTermsMixin:
 
     def _setup(self):
         super()._setup()
-        self._install_sample_terms_loss()
+        self._install_response_terms_loss()
 
-    def _install_sample_terms_loss(self) -> None:
+    def _install_response_terms_loss(self) -> None:
         from verl.trainer.distillation import is_distillation_enabled
 
         if is_distillation_enabled(self.config.get("distillation")):
@@ -68,7 +68,7 @@ class SampleTermsMixin:
                 "use trainer.v1.trainer_mode=sync|colocate_async|separate_async for distillation"
             )
         actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-        self.actor_rollout_wg.set_loss_fn(partial(ppo_loss_with_sample_terms, config=actor_config))
+        self.actor_rollout_wg.set_loss_fn(partial(ppo_loss_with_response_terms, config=actor_config))
         logger.info("gepo-plugin: per-sample term loss installed on actor workers")
 
     def _compute_advantage(self, batch, metrics: dict):
@@ -87,17 +87,17 @@ class SampleTermsMixin:
 
 
 @register_trainer("gepo_sync")
-class GEPOTrainerSync(SampleTermsMixin, PPOTrainerSync):
+class GEPOTrainerSync(ResponseTermsMixin, PPOTrainerSync):
     """verl's sync trainer with GEPO's trainer-side group term."""
 
 
 @register_trainer("gepo_colocate_async")
-class GEPOTrainerColocateAsync(SampleTermsMixin, PPOTrainerColocateAsync):
+class GEPOTrainerColocateAsync(ResponseTermsMixin, PPOTrainerColocateAsync):
     """verl's colocate_async trainer with GEPO's trainer-side group term."""
 
 
 @register_trainer("gepo_separate_async")
-class GEPOTrainerSeparateAsync(SampleTermsMixin, HeteroMixin, PPOTrainerSeparateAsync):
+class GEPOTrainerSeparateAsync(ResponseTermsMixin, HeteroMixin, PPOTrainerSeparateAsync):
     """verl's separate_async trainer with GEPO's trainer-side group term and HeteroRL (``hetero.enable``)."""
 
 
@@ -113,6 +113,6 @@ __all__ = [
     "HeteroMixin",
     "HeteroTrainerSeparateAsync",
     "PPOTrainer",
-    "SampleTermsMixin",
+    "ResponseTermsMixin",
     "compute_group_terms",
 ]

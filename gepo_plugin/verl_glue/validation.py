@@ -207,10 +207,10 @@ def _check_gepo(config: DictConfig, warnings: list[str]) -> None:
     if options.group_scope == "prompt" and mode not in GEPO_TRAINER_FOR_MODE.values():
         from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
-        from gepo_plugin.verl_glue.trainers import SampleTermsMixin
+        from gepo_plugin.verl_glue.trainers import ResponseTermsMixin
 
         cls = TRAINER_REGISTRY.get(mode)
-        if cls is None or not issubclass(cls, SampleTermsMixin):
+        if cls is None or not issubclass(cls, ResponseTermsMixin):
             suggestion = GEPO_TRAINER_FOR_MODE.get(mode)
             fix = (
                 f"set {TRAINER_MODE_KEY}={suggestion} (or use algorithm.loss=gepo, which does)"

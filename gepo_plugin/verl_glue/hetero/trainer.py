@@ -3,13 +3,13 @@
 :class:`HeteroMixin` is inert unless ``hetero.enable=true``. Then it
 
 1. replaces the standalone (sampler) ``CheckpointEngineManager`` with
-   :class:`~gepo_plugin.verl_glue.hetero_sync.DelayedWeightSync` when a delay is configured, and
-   connects it to the plugin's sampler (version floors for in-flight groups, installs while the
+   :class:`~gepo_plugin.verl_glue.hetero.weight_sync.DelayedWeightSync` when a delay is configured, and
+   connects it to the plugin's replay buffer (version floors for in-flight groups, installs while the
    learner waits);
-2. saves the sampler's ledger and queued-group versions as ``hetero.json`` next to verl's
-   checkpoint (verl's TransferQueue checkpoint holds the groups themselves) and restores them on
+2. saves the replay buffer's books (:class:`~gepo_plugin.hetero.core.StalenessCore`) as ``hetero.json`` next to
+   verl's checkpoint (verl's TransferQueue checkpoint holds the groups themselves) and restores them on
    resume, so counters continue and nothing is counted twice or lost;
-3. writes each sample's lag (learner version - oldest weight version of its group) into the batch,
+3. writes each response's lag (learner version - oldest weight version of its group) into the batch,
    so the GEPO loss reports its importance weight by lag bucket (``actor/gepo/iw_by_lag/<bucket>/{mean,var,
    fraction}``, from totals that add up across micro-batches and ranks: see ``hetero/lag_buckets.py``).
 """
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from gepo_plugin.hetero.lag_buckets import finalize_lag_metrics
+from gepo_plugin.hetero.lags import response_lags
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
 from gepo_plugin.verl_glue import seam
 
@@ -38,15 +39,15 @@ class HeteroMixin:
         if parse_hetero(config.get("hetero")).enable:
             seam.require("hetero")
         if config.actor_rollout_ref.get("hybrid_engine", True) is False:
-            apply_hybrid_off_fix()
+            apply_hybrid_engine_off_patch()
         super().__init__(config)
 
     @property
     def hetero_settings(self) -> HeteroSettings:
         return parse_hetero(self.config.get("hetero"))
 
-    def _hetero_sampler(self):
-        from gepo_plugin.verl_glue.hetero_sampler import HeteroReplayBuffer
+    def _hetero_buffer(self):
+        from gepo_plugin.verl_glue.hetero.replay_buffer import HeteroReplayBuffer
 
         buffer = getattr(self, "replay_buffer", None)
         return buffer if isinstance(buffer, HeteroReplayBuffer) else None
@@ -56,34 +57,34 @@ class HeteroMixin:
         settings = self.hetero_settings
         if not settings.enable:
             return
-        sampler = self._hetero_sampler()
-        if sampler is None:
+        buffer = self._hetero_buffer()
+        if buffer is None:
             raise RuntimeError(
                 "hetero.enable=true but trainer.v1.sampler.custom_sampler is not the plugin's HeteroReplayBuffer; "
-                "launch with python -m gepo_plugin.main_ppo (it sets the sampler) or set "
-                "trainer.v1.sampler.custom_sampler.path=pkg://gepo_plugin.verl_glue.hetero_sampler "
+                "launch with python -m gepo_plugin.main_ppo (it sets it) or set "
+                "trainer.v1.sampler.custom_sampler.path=pkg://gepo_plugin.verl_glue.hetero.replay_buffer "
                 "trainer.v1.sampler.custom_sampler.name=HeteroReplayBuffer"
             )
         if settings.simulates_delay:
-            from gepo_plugin.verl_glue.hetero_sync import DelayedWeightSync
+            from gepo_plugin.verl_glue.hetero.weight_sync import DelayedWeightSync
 
             sync = DelayedWeightSync(self.standalone_checkpoint_manager, settings)
             self.standalone_checkpoint_manager = sync
-            sampler.version_floor_by_step = sync.version_floor_by_step
-            sampler.on_poll = sync.poll
+            sync.version_floors = buffer.core.version_floors  # the sync records, the core decides
+            buffer.on_poll = sync.poll
 
     def _compute_advantage(self, batch, metrics: dict):
         batch = super()._compute_advantage(batch, metrics)
-        if self._hetero_sampler() is None:
+        if self._hetero_buffer() is None:
             return batch
         import transfer_queue as tq
         from tensordict import TensorDict
 
-        from gepo_plugin.verl_glue.sample_terms import SAMPLE_LAG
+        from gepo_plugin.verl_glue.response_terms import RESPONSE_LAG
 
-        lags = sample_lags(batch.keys, batch.tags, learner_version=self.global_steps - 1)
+        lags = response_lags(batch.keys, batch.tags, learner_version=self.global_steps - 1)
         metrics.update(self._throughput_metrics(batch))
-        fields = TensorDict({SAMPLE_LAG: torch.as_tensor(lags, dtype=torch.float32)}, batch_size=len(batch))
+        fields = TensorDict({RESPONSE_LAG: torch.as_tensor(lags, dtype=torch.float32)}, batch_size=len(batch))
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
 
     def _update_actor(self, batch, metrics: dict):
@@ -141,20 +142,25 @@ class HeteroMixin:
                 out[f"{prefix}/trained_tokens_per_s"] = tokens.get(label, 0.0) / elapsed
         return out
 
+    def hetero_state(self) -> dict:
+        """What ``hetero.json`` holds: the replay buffer's books and queued versions."""
+        return {"global_steps": self.global_steps, "replay_buffer": self._hetero_buffer().state_dict()}
+
+    def load_hetero_state(self, state: dict) -> None:
+        self._hetero_buffer().load_state_dict(state["replay_buffer"])
+
     def _save_checkpoint(self):
         super()._save_checkpoint()
-        sampler = self._hetero_sampler()
-        if sampler is None:
+        if self._hetero_buffer() is None:
             return
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
         os.makedirs(folder, exist_ok=True)
-        state = {"global_steps": self.global_steps, "sampler": sampler.state_dict()}
         with open(os.path.join(folder, STATE_FILE), "w") as handle:
-            json.dump(state, handle)
+            json.dump(self.hetero_state(), handle)
 
     def _load_checkpoint(self):
-        sampler = self._hetero_sampler()
-        if sampler is None:
+        buffer = self._hetero_buffer()
+        if buffer is None:
             return super()._load_checkpoint()
         folder = load_recording_folder(self, super()._load_checkpoint)
         if folder is None:
@@ -165,8 +171,8 @@ class HeteroMixin:
             return None
         with open(path) as handle:
             state = json.load(handle)
-        sampler.load_state_dict(state["sampler"])
-        ledger = state["sampler"]["ledger"]
+        self.load_hetero_state(state)
+        ledger = state["replay_buffer"]["ledger"]
         logger.info(
             "hetero: resumed at step %s with %d queued group(s), %d produced, %d trained",
             self.global_steps,
@@ -202,24 +208,8 @@ def load_recording_folder(trainer, load_checkpoint) -> str | None:
     return seen[0] if seen else None
 
 
-def sample_lags(keys, tags, learner_version: int) -> np.ndarray:
-    """Per sample: ``learner_version - min(min_global_steps over the sample's prompt group)``; 0 for padding."""
-    uids = np.array([key.split("_")[0] for key in keys], dtype=object)
-    padding = np.array([bool(tag.get("is_padding", False)) for tag in tags])
-    versions = np.array(
-        [learner_version if pad else int(tag["min_global_steps"]) for tag, pad in zip(tags, padding, strict=True)],
-        dtype=np.int64,
-    )
-    _, group = np.unique(uids, return_inverse=True)
-    oldest = np.full(group.max() + 1 if group.size else 0, np.iinfo(np.int64).max, dtype=np.int64)
-    np.minimum.at(oldest, group, versions)
-    lags = learner_version - oldest[group]
-    lags[padding] = 0
-    return lags
-
-
-def apply_hybrid_off_fix() -> None:
+def apply_hybrid_engine_off_patch() -> None:
     """verl 0.9.1's separate_async crashes with ``hybrid_engine=False``; apply the version-checked fix."""
     from gepo_plugin.patching import apply_optional
 
-    apply_optional("separate_async_logger", "hybrid_engine=False may fail if this verl still has the bug", logger)
+    apply_optional("hybrid_engine_off", "hybrid_engine=False may fail if this verl still has the bug", logger)

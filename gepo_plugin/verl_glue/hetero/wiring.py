@@ -19,7 +19,7 @@ from gepo_plugin.patches.server_identity import ENV as SERVER_ID_ENV
 from gepo_plugin.verl_glue.errors import PluginConfigError
 from gepo_plugin.verl_glue.presets import TRAINER_MODE_KEY
 
-SAMPLER_PATH = "pkg://gepo_plugin.verl_glue.hetero_sampler"
+SAMPLER_PATH = "pkg://gepo_plugin.verl_glue.hetero.replay_buffer"
 SAMPLER_NAME = "HeteroReplayBuffer"
 HETERO_TRAINERS = (HETERO_TRAINER, GEPO_TRAINER_FOR_MODE["separate_async"])
 SAMPLER = "trainer.v1.sampler"

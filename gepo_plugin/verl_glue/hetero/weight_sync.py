@@ -66,8 +66,8 @@ class DelayedWeightSync:
         self.snapshots: set[int] = set()
         self.paused: set[int] = set()
         self.deliveries = [0] * len(self.groups)
-        #: learner step -> oldest version any group held when the step began (read by the sampler).
-        self.version_floor_by_step: dict[int, int] = {}
+        #: learner step -> oldest version any group held when the step began (the replay buffer's core reads it).
+        self.version_floors: dict[int, int] = {}
         logger.info("hetero: %d sampler group(s) of sizes %s with simulated weight delay", len(sizes), list(sizes))
 
     # --------------------------------------------------------------- verl's manager interface
@@ -88,7 +88,7 @@ class DelayedWeightSync:
             self._save(version)  # the actor holds `version` now
             self._install(due)
         self._admit(version)
-        self.version_floor_by_step[version + 1] = self.schedule.oldest_held()
+        self.version_floors[version + 1] = self.schedule.oldest_held()
         return self.metrics(version)
 
     def poll(self) -> None:

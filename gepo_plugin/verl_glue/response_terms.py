@@ -1,15 +1,15 @@
-"""Per-sample terms computed by the trainer and handed to a registered policy loss.
+"""Per-response terms computed by the trainer and handed to a registered policy loss.
 
-Why this exists: verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) keeps only five
-fields of the micro-batch before it calls a registered policy loss, and verl repartitions
-samples across ranks and micro-batches. A per-prompt statistic such as GEPO's group
-expectation therefore has to be computed in the trainer (where ``uid`` groups are whole),
-stored per sample in the batch, and passed to the loss *beside* verl's call.
+Why this exists: verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) keeps only five fields of the
+micro-batch before it calls a registered policy loss, and verl repartitions responses across ranks and
+micro-batches. A per-prompt statistic such as GEPO's group expectation therefore has to be computed in the
+trainer (where ``uid`` groups are whole), stored per response in the batch, and passed to the loss *beside*
+verl's call.
 
-:func:`ppo_loss_with_sample_terms` is installed on the actor workers with verl's public
-``set_loss_fn``. It takes the per-sample fields out of the micro-batch, exposes them through
-a context variable for the duration of the call, and then runs verl's own ``ppo_loss``
-unchanged (entropy, KL loss and metric aggregation stay verl's).
+:func:`ppo_loss_with_response_terms` is installed on the actor workers with verl's public ``set_loss_fn``. It
+takes the per-response fields out of the micro-batch, exposes them through a context variable for the duration
+of the call, and then runs verl's own ``ppo_loss`` unchanged (entropy, KL loss and metric aggregation stay
+verl's).
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ import torch
 
 from gepo_plugin.verl_glue import seam
 
-#: Field with ``log E_hat_q[q]`` of each sample's prompt group (GEPO's denominator).
+#: Field with ``log E_hat_q[q]`` of each response's prompt group (GEPO's denominator).
 LOG_GROUP_EXPECTATION = "gepo_log_group_expectation"
 
-#: Field with each sample's staleness (learner version - oldest weight version of its group), HeteroRL only.
-SAMPLE_LAG = "gepo_sample_lag"
-#: All per-sample fields the loss wrapper forwards.
-SAMPLE_TERM_FIELDS: tuple[str, ...] = (LOG_GROUP_EXPECTATION, SAMPLE_LAG)
+#: Field with each response's staleness (learner version - oldest weight version of its group), HeteroRL only.
+RESPONSE_LAG = "gepo_response_lag"
+#: All per-response fields the loss wrapper forwards.
+RESPONSE_TERM_FIELDS: tuple[str, ...] = (LOG_GROUP_EXPECTATION, RESPONSE_LAG)
 
-_CURRENT_TERMS: ContextVar[Mapping[str, torch.Tensor] | None] = ContextVar("gepo_sample_terms", default=None)
+_CURRENT_TERMS: ContextVar[Mapping[str, torch.Tensor] | None] = ContextVar("gepo_response_terms", default=None)
 
 
 @contextmanager
-def provide_sample_terms(terms: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """Make ``terms`` visible to :func:`current_sample_terms` inside the block."""
+def provide_response_terms(terms: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Make ``terms`` visible to :func:`current_response_terms` inside the block."""
     token = _CURRENT_TERMS.set(dict(terms))
     try:
         yield
@@ -43,16 +43,16 @@ def provide_sample_terms(terms: Mapping[str, torch.Tensor]) -> Iterator[None]:
         _CURRENT_TERMS.reset(token)
 
 
-def current_sample_terms() -> Mapping[str, torch.Tensor]:
-    """The per-sample terms of the micro-batch being processed ({} outside a wrapped call)."""
+def current_response_terms() -> Mapping[str, torch.Tensor]:
+    """The per-response terms of the micro-batch being processed ({} outside a wrapped call)."""
     return _CURRENT_TERMS.get() or {}
 
 
-def extract_sample_terms(data) -> dict[str, torch.Tensor]:
-    """Pick the per-sample term fields out of a verl micro-batch ``TensorDict``."""
+def extract_response_terms(data) -> dict[str, torch.Tensor]:
+    """Pick the per-response term fields out of a verl micro-batch ``TensorDict``."""
     keys = set(data.keys())
     terms = {}
-    for name in SAMPLE_TERM_FIELDS:
+    for name in RESPONSE_TERM_FIELDS:
         if name in keys:
             value = data[name]
             if getattr(value, "is_nested", False):
@@ -91,10 +91,10 @@ def _fix_metric_aggregation(metrics: dict) -> dict:
     return metrics
 
 
-def ppo_loss_with_sample_terms(config, model_output, data, dp_group=None):
-    """verl's ``ppo_loss``, with the micro-batch's per-sample terms made visible to the policy loss."""
+def ppo_loss_with_response_terms(config, model_output, data, dp_group=None):
+    """verl's ``ppo_loss``, with the micro-batch's per-response terms made visible to the policy loss."""
     from verl.workers.utils.losses import ppo_loss
 
-    with provide_sample_terms(extract_sample_terms(data)):
+    with provide_response_terms(extract_response_terms(data)):
         loss, metrics = ppo_loss(config, model_output, data, dp_group)
     return loss, _fix_metric_aggregation(metrics)

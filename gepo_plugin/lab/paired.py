@@ -1,0 +1,149 @@
+"""Paired comparison of two methods over seeds: is one really better, or is it seed noise?
+
+Under one seed every method sees the same warm start, the same prompts and the same lag pattern (the stability
+lab's schedule does not depend on rewards), so runs pair up by (seed, max_lag). For a metric (``last_eval`` by
+default) and a pair of methods this reports, per max_lag: every per-seed difference ``a - b``, their mean with a
+two-sided 95% Student-t confidence interval, how many pairs favour each side, and the two-sided sign-test p-value
+(exact binomial, ties dropped). The t interval assumes roughly normal differences; the sign test assumes nothing
+but independence of the seeds, so the two together say how firm a difference is.
+
+``gepo-lab paired SUMMARY.json [SUMMARY.json ...] --a gepo --b gspo`` reads one or more
+``stability_summary.json`` files (runs of different seeds may be split over several) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+METRICS = ("last_eval", "best_eval", "best_to_last_gap")
+
+
+@dataclass(frozen=True)
+class PairedResult:
+    """One (method a, method b, max_lag) comparison over paired seeds."""
+
+    a: str
+    b: str
+    max_lag: int
+    metric: str
+    seeds: tuple[int, ...]
+    differences: tuple[float, ...]
+    mean: float
+    ci_low: float
+    ci_high: float
+    a_wins: int
+    b_wins: int
+    ties: int
+    sign_p: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {field: getattr(self, field) for field in self.__dataclass_fields__}
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact sign test: P(a split at least this uneven | no difference), ties already dropped."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    k = min(wins, losses)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def t_interval(values: np.ndarray, confidence: float = 0.95) -> tuple[float, float, float]:
+    """Mean and two-sided Student-t confidence interval of the mean (nan interval for fewer than 2 values)."""
+    from scipy import stats
+
+    mean = float(values.mean())
+    if values.size < 2:
+        return mean, math.nan, math.nan
+    half = float(stats.t.ppf((1 + confidence) / 2, df=values.size - 1) * values.std(ddof=1) / math.sqrt(values.size))
+    return mean, mean - half, mean + half
+
+
+def compare(runs: Sequence[dict[str, Any]], a: str, b: str, metric: str = "last_eval") -> list[PairedResult]:
+    """Paired comparisons of ``a`` against ``b`` for every max_lag both were run at."""
+    by_key = {(r["method"], r["max_lag"], r["seed"]): r for r in runs}
+    results = []
+    for lag in sorted({r["max_lag"] for r in runs}):
+        seeds = sorted(s for m, k, s in by_key if m == a and k == lag and (b, lag, s) in by_key)
+        if not seeds:
+            continue
+        diffs = np.array([by_key[(a, lag, s)][metric] - by_key[(b, lag, s)][metric] for s in seeds], dtype=float)
+        mean, low, high = t_interval(diffs)
+        wins, losses = int((diffs > 0).sum()), int((diffs < 0).sum())
+        results.append(
+            PairedResult(
+                a,
+                b,
+                lag,
+                metric,
+                tuple(seeds),
+                tuple(float(d) for d in diffs),
+                mean,
+                low,
+                high,
+                wins,
+                losses,
+                int(diffs.size - wins - losses),
+                sign_test_p(wins, losses),
+            )
+        )
+    return results
+
+
+def load_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """The runs of one or more stability summaries (a (method, lag, seed) appearing twice is an error)."""
+    runs, seen = [], set()
+    for path in paths:
+        for run in json.loads(Path(path).read_text())["runs"]:
+            key = (run["method"], run["max_lag"], run["seed"])
+            if key in seen:
+                raise ValueError(f"{path}: run {key} appears in more than one summary")
+            seen.add(key)
+            runs.append(run)
+    return runs
+
+
+def markdown(results: Sequence[PairedResult]) -> str:
+    lines = [
+        "| a − b | max lag | metric | pairs | mean difference [95% CI] | a better / b better / tie | sign test p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.a} − {r.b} | {r.max_lag} | {r.metric} | {len(r.seeds)} | {r.mean:+.3f} [{r.ci_low:+.3f}, "
+            f"{r.ci_high:+.3f}] | {r.a_wins} / {r.b_wins} / {r.ties} | {r.sign_p:.3g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def add_paired_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("summaries", nargs="+", type=Path, help="stability_summary.json files of the runs to pair")
+    parser.add_argument("--a", required=True, help="first method (the difference is a - b), e.g. gepo")
+    parser.add_argument("--b", nargs="+", required=True, help="method(s) to compare against, e.g. gspo grpo")
+    parser.add_argument("--metric", choices=METRICS, default="last_eval", help="per-run number compared")
+    parser.add_argument("--json", type=Path, help="also write every comparison (with the per-seed differences) here")
+    return parser
+
+
+def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        runs = load_runs(args.summaries)
+    except (OSError, ValueError, KeyError) as error:
+        parser.error(str(error))
+    results = [r for b in args.b for r in compare(runs, args.a, b, args.metric)]
+    if not results:
+        parser.error(f"no (seed, max_lag) has runs of both {args.a} and {args.b}")
+    print(markdown(results), end="")
+    if args.json:
+        args.json.write_text(json.dumps([r.as_dict() for r in results], indent=2) + "\n")
+    return 0

@@ -1,0 +1,209 @@
+"""HeteroRL's replay buffer for verl V1: verl's async buffer over TransferQueue, with HeteroRL's decisions.
+
+Selected with ``trainer.v1.sampler.custom_sampler.{path,name}`` (``hetero.enable=true`` sets both). It is verl's
+own :class:`ReplayBufferAsync` (the same TransferQueue storage, polling, refill of evicted prompts and batch
+materialisation) in which every staleness decision is made by :class:`gepo_plugin.hetero.core.StalenessCore`,
+the framework-free core the CPU lab runs too. This class only translates:
+
+* **versions** are verl's weight versions (``global_steps`` passed to ``update_weights``); every trajectory
+  carries ``min_global_steps``/``max_global_steps``, the versions of its first and last token, and a group's
+  oldest token version is the minimum over its trajectories. ``sample(global_steps=g)`` trains the update
+  ``g-1 -> g``, so the learner version is ``v = g-1`` (a group's lag is verl's ``trajectory_staleness_worst``);
+* **events**: groups that turned ``finished`` (or ``failure``) in TransferQueue are reported to the core once,
+  with their versions and the step their prompt was submitted at (for in-flight groups the core bounds their
+  oldest possible version by the oldest weights any sampler held at that step, which the weight sync records);
+* **decisions**: the core's evictions (with their reason) become verl's evictions (verl clears and refills
+  them), its wait condition becomes ``_has_enough_samples``, its selection order ``_select_prompt_uids``, and a
+  trained batch is recorded in its books. Every private method of verl's buffer overridden here is a contact of
+  the ``hetero`` feature in :mod:`gepo_plugin.verl_glue.seam`.
+
+:meth:`HeteroReplayBuffer.state_dict` (the core's books and queued versions) is saved beside verl's checkpoint;
+the finished-but-untrained groups themselves are in verl's TransferQueue checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from transfer_queue import KVBatchMeta
+from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+
+from gepo_plugin.hetero.core import FAILED, OVERFLOW, StalenessCore
+from gepo_plugin.hetero.lags import lag_summary
+from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
+from gepo_plugin.verl_glue import seam
+
+logger = logging.getLogger(__name__)
+
+TRAIN = "train"
+PREFIX = "hetero/"
+
+
+def uid_of(key: str) -> str:
+    """The prompt id of a trajectory key ``{uid}_{session}_{index}`` (verl's key layout)."""
+    return key.split("_")[0]
+
+
+class HeteroReplayBuffer(ReplayBufferAsync):
+    """verl's async replay buffer whose staleness decisions and books are HeteroRL's core's."""
+
+    def __init__(self, *args, sampler_kwargs: Mapping[str, Any] | None = None, **kwargs) -> None:
+        seam.require("hetero")
+        self.settings: HeteroSettings = parse_hetero(sampler_kwargs)
+        # verl's own prompt-step threshold is replaced by the core's version rule.
+        kwargs["max_off_policy_threshold"] = None
+        super().__init__(*args, sampler_kwargs=sampler_kwargs, **kwargs)
+        self.core = StalenessCore(self.settings.policy)
+        self._evicting: dict[str, str] = {}
+        self._resumed_check_pending = False
+        #: called while the learner waits for data (the delayed weight sync installs due arrivals).
+        self.on_poll: Callable[[], None] | None = None
+        self._last_sample_end: float | None = None
+
+    @property
+    def ledger(self):
+        return self.core.ledger
+
+    # ------------------------------------------------------------------ translation
+    def _group_versions(self, partition_id: str, uids: set[str]) -> dict[str, tuple[int, int]]:
+        """(oldest, newest) weight version per group from its trajectories' tags (groups without any: absent)."""
+        out: dict[str, tuple[int, int]] = {}
+        for key, tag in self.partitions[partition_id].items():
+            uid = uid_of(key)
+            if uid not in uids:
+                continue
+            lo, hi = tag.get("min_global_steps"), tag.get("max_global_steps")
+            if lo is None or hi is None:
+                raise RuntimeError(
+                    f"trajectory {key!r} has no weight version (min/max_global_steps); the rollout server must "
+                    "report global_steps in extra_fields (verl's vLLM/SGLang servers and the plugin's CPU server do)"
+                )
+            if uid in out:
+                out[uid] = (min(out[uid][0], int(lo)), max(out[uid][1], int(hi)))
+            else:
+                out[uid] = (int(lo), int(hi))
+        return out
+
+    def _submitted(self, partition_id: str, uid: str) -> int:
+        """The learner step a prompt was submitted at (verl tags prompts with ``global_steps``)."""
+        return int(self.prompt_global_steps[partition_id].get(uid, 1))
+
+    def _report_terminal_groups(self, partition_id: str) -> None:
+        """Report groups that became terminal since the last poll to the core (once each)."""
+        finished = {uid for uid in self.finished_keys[partition_id] if not self.core.known(uid)}
+        failed = {uid for uid in self.failure_keys[partition_id] if not self.core.known(uid)} - finished
+        versions = self._group_versions(partition_id, finished)
+        failed |= finished - versions.keys()  # finished without a trajectory: verl treats it as failed
+        for uid in sorted(versions):
+            self.core.finished(uid, *versions[uid], submitted=self._submitted(partition_id, uid))
+        for uid in sorted(failed):
+            self.core.failed(uid, submitted=self._submitted(partition_id, uid))
+        if self._resumed_check_pending:
+            self._resumed_check_pending = False
+            missing = self.core.reconcile(self.finished_keys[partition_id] | self.failure_keys[partition_id])
+            if missing:
+                logger.warning(
+                    "hetero: %d queued group(s) of the checkpoint are not in the restored TransferQueue; counted as "
+                    "dropped (missing_after_resume)",
+                    len(missing),
+                )
+
+    def _in_flight(self, partition_id: str) -> dict[str, int]:
+        """In-flight groups and the step each was submitted at."""
+        inflight = self.pending_keys[partition_id] | self.running_keys[partition_id]
+        return {uid: self._submitted(partition_id, uid) for uid in inflight}
+
+    # ------------------------------------------------------------------ verl's hooks (seam contacts)
+    def _terminal_eviction_reasons(self, global_steps: int, partition_id: str):
+        if partition_id != TRAIN:
+            return super()._terminal_eviction_reasons(global_steps, partition_id)
+        self._report_terminal_groups(partition_id)
+        self._evicting = self.core.evictions(global_steps - 1)
+        failed = {uid for uid, reason in self._evicting.items() if reason == FAILED}
+        evicted = set(self._evicting) - failed
+        overflow = sum(reason == OVERFLOW for reason in self._evicting.values())
+        if overflow:
+            logger.warning(
+                "hetero: %d finished group(s) exceed max_lag=%s under the wait strategy (more urgent groups than one "
+                "batch); evicted (stale_overflow) to keep the bound; pause old samplers earlier with "
+                "hetero.admission_margin",
+                overflow,
+                self.core.policy.max_lag,
+            )
+        return evicted, set(), failed, Counter()
+
+    def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons):
+        if partition_id == TRAIN:
+            self.core.drop(self._evicting)
+            self._evicting = {}
+        evicted, stale_count, dapo_count, metrics = super()._evict_terminal_groups(
+            global_steps, partition_id, eviction_reasons
+        )
+        # verl's own stale metrics count prompt-submission spans; HeteroRL's books are under hetero/.
+        metrics = {k: v for k, v in metrics.items() if "/off_policy/" not in k}
+        return evicted, stale_count, dapo_count, metrics
+
+    def _has_enough_samples(self, global_steps, partition_id, batch_size, sampleable_keys) -> bool:
+        if partition_id == TRAIN and self.core.urgent(global_steps - 1, self._in_flight(partition_id)):
+            return False
+        return len(sampleable_keys) >= batch_size
+
+    def _select_prompt_uids(self, partition_id, sampleable_keys, batch_size):
+        if partition_id != TRAIN:
+            return super()._select_prompt_uids(partition_id, sampleable_keys, batch_size)
+        chosen = self.core.select(sampleable_keys, batch_size)
+        return chosen, dict(self.partitions[partition_id]), dict(self.prompt_global_steps[partition_id])
+
+    def _wait_for_next_poll(self, partition_id: str, last_debug_time: float) -> float:
+        if self.on_poll is not None:
+            self.on_poll()
+        return super()._wait_for_next_poll(partition_id, last_debug_time)
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
+        if partition_id != TRAIN:
+            return super().sample(global_steps, partition_id, batch_size)
+        start = time.perf_counter()
+        batch, metrics = super().sample(global_steps, partition_id, batch_size)
+        end = time.perf_counter()
+        selected = list(dict.fromkeys(uid_of(key) for key in batch.keys))
+        mixed = self.core.mixed(selected)
+        lags = self.core.train(selected, global_steps - 1)
+        metrics.update(self.step_metrics(partition_id, global_steps - 1, lags, mixed, wait=end - start, end=end))
+        return batch, metrics
+
+    def step_metrics(
+        self, partition_id: str, learner_version: int, lags: np.ndarray, mixed: int, wait: float, end: float
+    ) -> dict:
+        """Everything a user watches per step (names under ``hetero/``)."""
+        metrics = self.core.metrics(PREFIX)  # checks produced == trained + dropped + queued
+        inflight = len(self.pending_keys[partition_id]) + len(self.running_keys[partition_id])
+        metrics.update(lag_summary(lags.astype(float)))
+        cycle = end - self._last_sample_end if self._last_sample_end is not None else None
+        self._last_sample_end = end
+        metrics.update(
+            {
+                PREFIX + "learner_version": float(learner_version),
+                PREFIX + "queue/finished_untrained": float(self.ledger.queued),
+                PREFIX + "queue/in_flight": float(inflight),
+                PREFIX + "mixed_version_groups": float(mixed),
+                PREFIX + "learner_wait_s": float(wait),
+            }
+        )
+        if cycle is not None and cycle > 0:
+            metrics[PREFIX + "learner_idle_fraction"] = float(min(1.0, wait / cycle))
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The core's books and queued versions (the groups themselves are in verl's TransferQueue checkpoint)."""
+        return self.core.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.core.load_state_dict(state)
+        self._resumed_check_pending = True
