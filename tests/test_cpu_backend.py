@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 PROBE = r"""
 import json, verl
 import verl.utils.distributed as distributed
@@ -84,6 +86,7 @@ GLOO_PROBE = r"""
 import os, torch, verl
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
 from verl.workers import engine_workers
+
 engine_workers.initialize_global_process_group_ray(timeout_second=30)
 print(torch.distributed.get_backend())
 t = torch.ones(3); torch.distributed.all_reduce(t); print(t.tolist())

@@ -23,13 +23,13 @@ pytest.importorskip("verl")
 from verl.single_controller.base import Worker  # noqa: E402
 from verl.single_controller.base.decorator import Dispatch, register  # noqa: E402
 
-from gepo_plugin.cpu_backend.hf_rollout import (  # noqa: E402
-    HFReplica,
+from gepo_plugin.cpu_backend.ray_mailbox_engine import RayMailboxCheckpointEngine, lookup_mailbox  # noqa: E402
+from gepo_plugin.cpu_backend.rollout.replica import HFReplica  # noqa: E402
+from gepo_plugin.cpu_backend.rollout.sampling import (  # noqa: E402
     apply_min_p,
     apply_repetition_penalty,
     apply_top_k_top_p,
 )
-from gepo_plugin.cpu_backend.ray_mailbox_engine import RayMailboxCheckpointEngine, lookup_mailbox  # noqa: E402
 from gepo_plugin.tiny import write_tiny_model  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
@@ -124,7 +124,7 @@ def replica(cluster, trainer, models: dict[str, Path]) -> HFReplica:
         checkpoint_engine=CheckpointEngineConfig(
             backend="ray_mailbox",
             update_weights_bucket_megabytes=1,
-            custom_backend_module="gepo_plugin.cpu_backend.rollout_registration",
+            custom_backend_module="gepo_plugin.cpu_backend.rollout.registration",
         ),
     )
     replica = HFReplica(

@@ -21,6 +21,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 SHELL_FILES = sorted([*EXAMPLES.rglob("*.sh"), *EXAMPLES.rglob("*.sbatch")])
@@ -74,6 +76,7 @@ CFG_JOB_SCRIPTS = [name for name in LAUNCHES if name.endswith(".sh")]
 MARKER = "=== gepo-cfg-job"
 CFG_JOB_RUNNER = f"""
 import json, runpy, sys
+
 for name, overrides in json.loads(sys.argv[1]):
     print("{MARKER} begin", name, flush=True)
     sys.argv = ["gepo_plugin.main_ppo", *overrides, "--cfg", "job"]

@@ -169,27 +169,6 @@ def test_gepo_weight_by_lag_bucket_through_verls_ppo_loss_and_metric_aggregation
     assert not any("iw_by_lag" in key for key in metrics)
 
 
-def test_hybrid_engine_off_fix_makes_verls_setup_log_call_work(monkeypatch, caplog):
-    """verl 0.9.1 logs with ``flush=True`` when hybrid_engine=False; unpatched that is a TypeError."""
-    import logging
-
-    import verl.trainer.ppo.v1.trainer_separate_async as module
-
-    from gepo_plugin import patching
-    from gepo_plugin.verl_glue.hetero.trainer import apply_hybrid_engine_off_patch
-
-    monkeypatch.setattr(module, "logger", logging.getLogger(module.__name__))
-    monkeypatch.setattr(patching, "APPLIED", [])
-    module.logger.setLevel(logging.INFO)
-    with pytest.raises(TypeError, match="flush"):
-        module.logger.info("hybrid replicas disabled", flush=True)
-    apply_hybrid_engine_off_patch()
-    with caplog.at_level(logging.INFO, logger=module.__name__):
-        module.logger.info("hybrid replicas disabled", flush=True)
-    assert "hybrid replicas disabled" in caplog.text
-    assert patching.applied_patches() == ["hybrid_engine_off"]
-
-
 def test_hybrid_engine_off_fix_refuses_another_verl(monkeypatch):
     import importlib
 

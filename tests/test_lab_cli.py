@@ -22,6 +22,7 @@ import pytest
 from gepo_plugin.lab import cli, variance
 
 GEPO_LAB = Path(sys.executable).with_name("gepo-lab")
+pytestmark = pytest.mark.slow  # runs the lab, its console scripts and (marked ray) its live mode
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -19,6 +19,8 @@ from gepo_plugin.lab.stability_config import StabilityConfigError, resolve  # no
 from gepo_plugin.lab.stability_sim import METHODS, MethodSpec  # noqa: E402
 from gepo_plugin.lab.stability_task import build_task, rewards_for  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 def run_lab(out: Path, preset: str = "ci", **overrides: Any) -> dict[str, Any]:
     return st.run_stability(out, resolve(preset, overrides), preset, progress=False)

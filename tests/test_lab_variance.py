@@ -169,6 +169,7 @@ def test_main_standalone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert json.loads((tmp_path / "variance_summary.json").read_text())["grid_points"] == 5
 
 
+@pytest.mark.slow
 def test_without_matplotlib_the_results_are_written_and_the_plots_skipped_with_one_notice(tmp_path):
     """The [lab] extra is optional: say so before the work starts, write every result, skip only the PNGs."""
     import subprocess

@@ -11,6 +11,8 @@ import pytest
 
 from gepo_plugin.names import expected_names
 
+pytestmark = pytest.mark.slow  # every test starts fresh interpreters (each imports verl)
+
 STATUS = """
 import json
 from gepo_plugin.verl_glue.registration import registration_status

@@ -59,7 +59,7 @@ def test_a_missing_private_method_refuses_only_its_feature(monkeypatch):
     assert not hasattr(ReplayBufferAsync, "_select_prompt_uids")
 
 
-def test_the_hetero_sampler_refuses_to_start_without_its_contacts(monkeypatch):
+def test_the_hetero_replay_buffer_refuses_to_start_without_its_contacts(monkeypatch):
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
     from gepo_plugin.verl_glue.hetero.replay_buffer import HeteroReplayBuffer
@@ -128,15 +128,16 @@ def test_the_doctor_table_shows_a_missing_contact(monkeypatch, capsys):
 
 def _plugin_classes_over_verl():
     """Every plugin class that subclasses a verl class (trainers, sampler, rollout, engines, platform)."""
-    import gepo_plugin.cpu_backend.hf_rollout as hf
     import gepo_plugin.cpu_backend.platform as platform
     import gepo_plugin.cpu_backend.ray_mailbox_engine as mailbox
+    import gepo_plugin.cpu_backend.rollout.adapter as adapter
+    import gepo_plugin.cpu_backend.rollout.replica as replica
     import gepo_plugin.verl_glue.config as config
-    import gepo_plugin.verl_glue.hetero.replay_buffer as sampler
+    import gepo_plugin.verl_glue.hetero.replay_buffer as replay_buffer
     import gepo_plugin.verl_glue.trainers as trainers
 
     classes = []
-    for module in (hf, platform, mailbox, config, sampler, trainers):
+    for module in (adapter, replica, platform, mailbox, config, replay_buffer, trainers):
         for value in vars(module).values():
             ours = inspect.isclass(value) and value.__module__ == module.__name__
             if ours and any(base.__module__.startswith("verl.") for base in value.__mro__[1:]):

@@ -12,6 +12,8 @@ import pytest
 from gepo_plugin import main_ppo
 from gepo_plugin.tiny import write_all
 
+pytestmark = pytest.mark.slow
+
 ASYNC = [
     "trainer.v1.trainer_mode=separate_async",
     "actor_rollout_ref.rollout.nnodes=1",

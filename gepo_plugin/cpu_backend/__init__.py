@@ -1,8 +1,8 @@
 """CPU backend for running verl's real trainer without a GPU (a debugging/CI backend).
 
 Modules are imported on demand: ``activate`` (what a CPU process registers, and a CPU run's settings),
-``platform`` (the ``cpu`` platform), ``rollout_registration`` plus ``hf_rollout`` (a transformers rollout server
-behind verl's rollout interface) and ``ray_mailbox_engine`` (a checkpoint engine for standalone rollout
+``platform`` (the ``cpu`` platform), ``rollout`` (a transformers rollout server behind verl's rollout
+interface) and ``ray_mailbox_engine`` (a checkpoint engine for standalone rollout
 replicas). Nothing heavy is imported here, so ``import gepo_plugin`` stays cheap on GPU hosts.
 """
 

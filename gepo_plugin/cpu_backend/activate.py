@@ -64,9 +64,9 @@ def install() -> bool:
     _INSTALLED.append(True)
     for module, action, step in HOOKS:
         on_import(module, lambda _module, action=action, step=step: run_recorded(step, action))
-    from gepo_plugin.cpu_backend import rollout_registration
+    from gepo_plugin.cpu_backend.rollout import registration
 
-    rollout_registration.install()
+    registration.install()
     return True
 
 

@@ -17,14 +17,14 @@ from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.registration import on_import, run_recorded
 
 #: ``(name, mode)`` -> class path, as verl's ``_ROLLOUT_REGISTRY`` holds rollout adapters.
-ADAPTER_PATH = "gepo_plugin.cpu_backend.hf_rollout.HFServerAdapter"
+ADAPTER_PATH = "gepo_plugin.cpu_backend.rollout.adapter.HFServerAdapter"
 
 _INSTALLED: list[bool] = []
 
 
 def load_hf_replica() -> type:
     """Loader for ``RolloutReplicaRegistry`` (imports the transformers rollout only when verl builds replicas)."""
-    from gepo_plugin.cpu_backend.hf_rollout import HFReplica
+    from gepo_plugin.cpu_backend.rollout.replica import HFReplica
 
     return HFReplica
 

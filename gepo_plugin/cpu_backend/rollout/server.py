@@ -1,30 +1,16 @@
-"""A Hugging Face ``transformers`` rollout backend behind verl's rollout-server interface.
+"""The transformers generation server: a Ray actor with vLLM's server interface, generating on a CPU.
 
-verl 0.9.1's V1 trainer only generates through rollout *servers* (vLLM, SGLang, TensorRT-LLM), all of
-which need a GPU; its old ``HFRollout`` does not plug into the agent loop. This module gives verl a
-server it can drive on a CPU, shaped like ``verl/workers/rollout/vllm_rollout`` so every caller in
-verl (agent loop, ``LLMServerClient``/``FullyAsyncLLMServerClient``, ``CheckpointEngineManager``,
-the V1 trainers) works unchanged:
+:class:`HFGenerationServer` loads the model with ``AutoModelForCausalLM`` and samples for real: token-in/token-out
+``generate`` returning verl's ``TokenOutput``, plus every control method verl calls on servers (sleep/wake,
+abort/resume for partial rollout, weight updates, ...). Requests that arrive together are generated as one
+left-padded batch with a KV cache (one forward per token for the whole batch), which on a CPU is ~50x cheaper than
+one request at a time.
 
-* :class:`HFGenerationServer` -- a Ray actor (like ``vLLMHttpServer``) that loads the model with
-  ``AutoModelForCausalLM`` and samples for real: token-in/token-out ``generate`` returning verl's
-  ``TokenOutput``, plus every control method verl calls on servers (sleep/wake, abort/resume for
-  partial rollout, weight updates, ...). Requests that arrive together are generated as one
-  left-padded batch with a KV cache (one forward per token for the whole batch), which on a CPU is
-  ~50x cheaper than one request at a time.
-* :class:`HFReplica` -- the ``RolloutReplica`` (like ``vLLMReplica``) that launches one server per
-  replica, in HYBRID mode (colocated with the training workers, weights pushed by the ``naive``
-  checkpoint engine) and STANDALONE mode (its own Ray actors, weights pushed by a checkpoint engine
-  such as :mod:`gepo_plugin.cpu_backend.ray_mailbox_engine`).
-* :class:`HFServerAdapter` -- the ``BaseRollout`` used inside the training / checkpoint-engine
-  worker process to resume, release and update the server's weights.
-Registration with verl's registries is :mod:`gepo_plugin.cpu_backend.rollout_registration`'s job.
-
-Log-probabilities follow vLLM's ``logprobs_mode`` (verl's default ``processed_logprobs``): the
-log-softmax of the distribution the sampler actually drew from, i.e. after repetition penalty,
-temperature, min-p, top-k and top-p; greedy requests use temperature 1. With verl's default
-``top_k=-1, top_p=1`` this is exactly ``log_softmax(logits / temperature)``, what the actor computes,
-so bypass mode and rollout-vs-actor log-prob checks work as with vLLM. No CUDA is used anywhere.
+Log-probabilities follow vLLM's ``logprobs_mode`` (verl's default ``processed_logprobs``): the log-softmax of the
+distribution the sampler actually drew from, i.e. after repetition penalty, temperature, min-p, top-k and top-p;
+greedy requests use temperature 1. With verl's default ``top_k=-1, top_p=1`` this is exactly
+``log_softmax(logits / temperature)``, what the actor computes, so bypass mode and rollout-vs-actor log-prob checks
+work as with vLLM. No CUDA is used anywhere.
 """
 
 from __future__ import annotations
@@ -35,24 +21,28 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
-from ray.actor import ActorHandle
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
-from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+from verl.workers.rollout.replica import RolloutMode, TokenOutput
+
+from gepo_plugin.cpu_backend.rollout.sampling import (
+    LOGPROBS_MODES,
+    BatchParams,
+    SamplingSpec,
+    apply_min_p,
+    apply_repetition_penalty,
+    apply_top_k_top_p,
+)
+from gepo_plugin.cpu_backend.rollout.weights import full_tensor
 
 logger = logging.getLogger(__name__)
 
-#: Temperatures below this are greedy (the threshold vLLM uses).
-SAMPLING_EPS = 1e-5
-#: vLLM's ``logprobs_mode`` values, all supported.
-LOGPROBS_MODES = ("processed_logprobs", "processed_logits", "raw_logprobs", "raw_logits")
 #: Default key of this backend's options under ``rollout.engine_kwargs``.
 ENGINE_KWARGS_KEY = "hf"
 #: Sampling keys that carry no meaning for token-in/token-out generation and are ignored.
@@ -74,70 +64,6 @@ _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
 }
 
 
-# --------------------------------------------------------------------------------------------------
-# Sampling maths (pure functions: the same algorithms as vLLM's v1 sampler)
-# --------------------------------------------------------------------------------------------------
-
-
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
-    """vLLM/CTRL repetition penalty on tokens already in the prompt or output (``seen`` is [B, V] bool)."""
-    penalties = penalties.unsqueeze(1).expand_as(logits)
-    penalized = torch.where(logits > 0, logits / penalties, logits * penalties)
-    return torch.where(seen, penalized, logits)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below ``min_p`` times the most likely token's (vLLM's min-p)."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Per-row top-k then top-p (nucleus) masking, vLLM's ``apply_top_k_top_p`` algorithm.
-
-    ``top_k`` holds the number of tokens to keep per row (the vocabulary size disables it), ``top_p``
-    the nucleus mass per row (1.0 disables it). At least one token always survives.
-    """
-    if top_k is None and top_p is None:
-        return logits
-    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
-    if top_k is not None:
-        kth = logits_sort.size(1) - top_k.to(torch.long)
-        threshold = logits_sort.gather(1, kth.unsqueeze(1))
-        logits_sort = logits_sort.masked_fill(logits_sort < threshold, float("-inf"))
-    if top_p is not None:
-        cumulative = logits_sort.softmax(dim=-1).cumsum(dim=-1)
-        mask = cumulative <= 1 - top_p.unsqueeze(1)
-        mask[:, -1] = False
-        logits_sort = logits_sort.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, logits_idx, logits_sort)
-
-
-# --------------------------------------------------------------------------------------------------
-# Requests
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SamplingSpec:
-    """One request's validated sampling parameters (vLLM ``SamplingParams`` semantics)."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop_token_ids: frozenset[int] = frozenset()
-    want_logprobs: bool = False
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS
-
-
 @dataclass(eq=False)
 class _Request:
     """A request between admission and its answer; the generation thread fills it token by token."""
@@ -153,38 +79,6 @@ class _Request:
     abort_requested: bool = False
     #: Set once the outcome is decided (by the thread or the event loop); never reset.
     done: bool = False
-
-
-class _BatchParams:
-    """Per-row sampling parameters of a running batch as tensors, pruned together with the batch."""
-
-    def __init__(self, specs: list[SamplingSpec], vocab_size: int) -> None:
-        greedy = [spec.greedy for spec in specs]
-        self.greedy = torch.tensor(greedy, dtype=torch.bool)
-        self.temperature = torch.tensor(
-            [1.0 if g else spec.temperature for g, spec in zip(greedy, specs, strict=True)], dtype=torch.float32
-        )
-        # greedy rows are never truncated (vLLM resets top-k/top-p/min-p for temperature 0)
-        top_k = [
-            vocab_size if g or spec.top_k <= 0 else min(spec.top_k, vocab_size)
-            for g, spec in zip(greedy, specs, strict=True)
-        ]
-        top_p = [1.0 if g else spec.top_p for g, spec in zip(greedy, specs, strict=True)]
-        min_p = [0.0 if g else spec.min_p for g, spec in zip(greedy, specs, strict=True)]
-        self.top_k = torch.tensor(top_k, dtype=torch.long) if any(k < vocab_size for k in top_k) else None
-        self.top_p = torch.tensor(top_p, dtype=torch.float32) if any(p < 1.0 for p in top_p) else None
-        self.min_p = torch.tensor(min_p, dtype=torch.float32) if any(m > 0.0 for m in min_p) else None
-        penalties = [spec.repetition_penalty for spec in specs]
-        self.repetition_penalty = (
-            torch.tensor(penalties, dtype=torch.float32) if any(p != 1.0 for p in penalties) else None
-        )
-
-    def select(self, index: torch.Tensor) -> None:
-        """Keep only the rows in ``index`` (finished rows leave the batch)."""
-        for name in ("greedy", "temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, value[index])
 
 
 def _engine_kwargs(config: RolloutConfig) -> dict[str, Any]:
@@ -210,11 +104,6 @@ def _eos_token_ids(model_config: HFModelConfig) -> set[int]:
         else:
             ids.add(int(value))
     return ids
-
-
-# --------------------------------------------------------------------------------------------------
-# Server
-# --------------------------------------------------------------------------------------------------
 
 
 class HFGenerationServer:
@@ -565,7 +454,7 @@ class HFGenerationServer:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
         next_position = position_ids[:, -1] + 1
         cache = DynamicCache(config=model.config)
-        params: _BatchParams | None = None
+        params: BatchParams | None = None
         seen: torch.Tensor | None = None
 
         while rows:
@@ -580,7 +469,7 @@ class HFGenerationServer:
             cache = output.past_key_values
             logits = output.logits[:, -1, :].float()
             if params is None:
-                params = _BatchParams([r.spec for r in rows], logits.shape[-1])
+                params = BatchParams([r.spec for r in rows], logits.shape[-1])
                 if params.repetition_penalty is not None:
                     seen = torch.zeros(logits.shape, dtype=torch.bool)
                     for i, request in enumerate(rows):
@@ -616,7 +505,7 @@ class HFGenerationServer:
             next_position = next_position + 1
 
     def _sample(
-        self, logits: torch.Tensor, params: _BatchParams, seen: torch.Tensor | None, rows: list[_Request]
+        self, logits: torch.Tensor, params: BatchParams, seen: torch.Tensor | None, rows: list[_Request]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw one token per row and its log-prob under ``logprobs_mode`` (vLLM's sampler order)."""
         raw = logits
@@ -753,7 +642,7 @@ class HFGenerationServer:
     @torch.no_grad()
     def _load_tensors(self, items: list[tuple[str, torch.Tensor]]) -> int:
         for name, tensor in items:
-            tensor = _full_tensor(tensor)
+            tensor = full_tensor(tensor)
             target = self._tensor_index.get(name)
             if target is None:
                 known = ", ".join(list(self._tensor_index)[:5])
@@ -786,246 +675,3 @@ class HFGenerationServer:
         os.makedirs(save_path, exist_ok=True)
         trace = os.path.join(save_path, f"rollout-hf-replica{self.replica_rank}-{int(time.time() * 1000)}.json")
         profiler.export_chrome_trace(trace)
-
-
-def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The full value of a (possibly FSDP2-sharded) tensor; a collective for DTensors."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-# --------------------------------------------------------------------------------------------------
-# Replica
-# --------------------------------------------------------------------------------------------------
-
-
-class HFReplica(RolloutReplica):
-    """A rollout replica served by one :class:`HFGenerationServer` (mirrors ``vLLMReplica``).
-
-    HYBRID: the server sits next to the training workers (on the node of the replica's first
-    worker); the workers' :class:`HFServerAdapter` pushes weights. STANDALONE / COLOCATED: verl's
-    ``init_standalone``/``init_colocated`` create ``CheckpointEngineWorker`` actors whose adapters
-    push weights received from a checkpoint engine. Servers reserve no Ray resources (like vLLM's,
-    whose compute is accounted to the replica's workers), so they never block scheduling.
-    """
-
-    def __init__(
-        self,
-        replica_rank: int,
-        config: RolloutConfig,
-        model_config: HFModelConfig,
-        gpus_per_node: int = 8,
-        is_reward_model: bool = False,
-        is_teacher_model: bool = False,
-        name_suffix: str = "",
-    ) -> None:
-        super().__init__(
-            replica_rank, config, model_config, gpus_per_node, is_reward_model, is_teacher_model, name_suffix
-        )
-        self.server_class = ray.remote(HFGenerationServer)
-
-    def _get_server_name_prefix(self) -> str:
-        """Actor-name prefix; the adapter derives the same one from ``rollout.name``."""
-        return f"{self.config.name}_"
-
-    def _server_name(self) -> str:
-        prefix = self._get_server_name_prefix()
-        if self.is_reward_model:
-            return f"{prefix}server_reward_{self.replica_rank}_0{self.name_suffix}"
-        if self.is_teacher_model:
-            return f"{prefix}server_teacher_{self.replica_rank}_0{self.name_suffix}"
-        return f"{prefix}server_{self.replica_rank}_0{self.name_suffix}"
-
-    async def launch_servers(self) -> None:
-        """Start this replica's server on its first worker's node and record handle and address."""
-        if self.nnodes != 1:
-            raise NotImplementedError(
-                f"the transformers rollout serves a replica from one process; world size {self.world_size} spans "
-                f"{self.nnodes} nodes (lower tensor/data/pipeline parallel sizes)"
-            )
-        assert len(self.workers) == self.world_size, (
-            f"worker number {len(self.workers)} not equal to world size {self.world_size}"
-        )
-        options: dict[str, Any] = {"name": self._server_name(), "max_concurrency": self.max_concurrency, "num_cpus": 0}
-        node_id = await self._first_worker_node_id()
-        if node_id is not None:
-            options["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                node_id=node_id, soft=False
-            )
-        server = self.server_class.options(**options).remote(
-            config=self.config,
-            model_config=self.model_config,
-            rollout_mode=self.rollout_mode,
-            replica_rank=self.replica_rank,
-            node_rank=0,
-        )
-        await server.launch_server.remote()
-        self.servers = [server]
-        self._server_handle = server
-
-        from verl.utils.net_utils import is_valid_ipv6_address
-
-        address, port = await server.get_server_address.remote()
-        self._server_address = f"[{address}]:{port}" if is_valid_ipv6_address(address) else f"{address}:{port}"
-
-    async def _first_worker_node_id(self) -> str | None:
-        """Node of the replica's first worker, where the server goes.
-
-        STANDALONE: read from the replica's own placement group (one node, so one group), since the
-        workers are still starting up and asking them would serialise their start-up and the
-        server's (about 10 s each on a small CPU host). Otherwise the first worker is asked.
-        """
-        pgs = getattr(self.resource_pool, "pgs", None)
-        if self.rollout_mode == RolloutMode.STANDALONE and pgs and len(pgs) == 1:
-            bundles = ray.util.placement_group_table(pgs[0]).get("bundles_to_node_id") or {}
-            if bundles:
-                return bundles[min(bundles)]
-        if not self.workers:
-            return None
-        return await self.workers[0].__ray_call__.remote(lambda worker: ray.get_runtime_context().get_node_id())
-
-    async def sleep(self) -> None:
-        """Let in-flight requests finish, then sleep (as vLLMReplica)."""
-        await asyncio.gather(*[server.wait_for_requests_to_drain.remote() for server in self.servers])
-        await asyncio.gather(*[server.sleep.remote() for server in self.servers])
-
-    async def abort_all_requests(self, reject_request: bool = False) -> dict[str, Any]:
-        """Abort every in-flight request (partial rollout); returns the combined counts."""
-        results = await asyncio.gather(
-            *[server.abort_all_requests.remote(reject_request=reject_request) for server in self.servers]
-        )
-        return {
-            "aborted_count": sum(r.get("aborted_count", 0) for r in results),
-            "request_ids": [request_id for r in results for request_id in r.get("request_ids", [])],
-            "server_results": results,
-        }
-
-    async def abort_request(self, request_id: str) -> dict[str, Any]:
-        """Abort one request wherever it runs."""
-        results = await asyncio.gather(*[server.abort_request.remote(request_id) for server in self.servers])
-        for result in results:
-            if result.get("aborted", False):
-                return result
-        return {"aborted": False, "request_id": request_id, "error": "Request not found on any server"}
-
-    async def release_kv_cache(self) -> None:
-        """Drain, then release (as vLLMReplica)."""
-        await asyncio.gather(*[server.wait_for_requests_to_drain.remote() for server in self.servers])
-        await asyncio.gather(*[server.release_kv_cache.remote() for server in self.servers])
-
-
-# --------------------------------------------------------------------------------------------------
-# Server adapter (inside the training / checkpoint-engine worker)
-# --------------------------------------------------------------------------------------------------
-
-
-class HFServerAdapter(BaseRollout):
-    """Client of the replica's :class:`HFGenerationServer` inside a worker process (like vLLM's ``ServerAdapter``).
-
-    Built by verl's ``ActorRolloutRefWorker`` (HYBRID; ``replica_rank`` derived from ``RANK``) and by
-    ``CheckpointEngineWorker`` (STANDALONE/COLOCATED; ``replica_rank`` passed in). Only the replica's
-    rollout rank 0 (the leader) talks to the server; every rank still consumes the weight stream,
-    because producing it (FSDP2 ``full_tensor``) is collective over the training ranks.
-    """
-
-    def __init__(
-        self,
-        config: RolloutConfig,
-        model_config: HFModelConfig,
-        device_mesh: Any = None,
-        replica_rank: int = -1,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(config, model_config, device_mesh)
-        self.server_handle: ActorHandle | None = None
-        rank = int(os.environ.get("RANK", "0"))
-        rollout_world_size = (
-            self.config.tensor_model_parallel_size
-            * self.config.data_parallel_size
-            * self.config.pipeline_model_parallel_size
-        )
-        self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank
-        self.rollout_rank = rank % rollout_world_size
-        self.bucket_bytes = max(1, int(self.config.checkpoint_engine.update_weights_bucket_megabytes)) << 20
-
-    @property
-    def is_leader_rank(self) -> bool:
-        """Whether this rank drives the server (read by ``CheckpointEngineWorker.is_leader_rank``)."""
-        return self.rollout_rank == 0
-
-    def _server_name(self) -> str:
-        return f"{self.config.get('name', ENGINE_KWARGS_KEY)}_server_{self.replica_rank}_0"
-
-    def _ensure_server_handle(self) -> bool:
-        """Look the server up lazily (in HYBRID mode it starts after the workers); False off the leader."""
-        if not self.is_leader_rank:
-            return False
-        if self.server_handle is None:
-            self.server_handle = ray.get_actor(self._server_name())
-        return True
-
-    async def resume(self, tags: list[str]) -> None:
-        """Wake the server up (``tags``: weights and/or kv_cache)."""
-        if self.config.free_cache_engine and self._ensure_server_handle():
-            await self.server_handle.wake_up.remote(tags=tags)
-
-    async def release(self) -> None:
-        """Put the server to sleep."""
-        if self.config.free_cache_engine and self._ensure_server_handle():
-            await self.server_handle.sleep.remote()
-
-    async def update_weights(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
-        global_steps: int | None = None,
-        wire_format: str = "named_tensors",
-        peft_config: Any = None,
-        base_sync_done: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        """Stream ``(name, tensor)`` pairs to the server in buckets, then record ``global_steps``.
-
-        Tensors are materialised (DTensor ``full_tensor``) on every rank, compacted into their own CPU
-        storage (Ray would otherwise pickle a view's whole underlying buffer) and sent in buckets of
-        ``checkpoint_engine.update_weights_bucket_megabytes``.
-        """
-        if wire_format != "named_tensors":
-            raise NotImplementedError(f"transformers rollout takes wire_format='named_tensors', got {wire_format!r}")
-        if peft_config is not None:
-            raise NotImplementedError("the transformers rollout takes no unmerged LoRA adapters; set lora.merge=True")
-        from verl.workers.rollout.utils import ensure_async_iterator
-
-        start = time.time()
-        leader = self._ensure_server_handle()
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = count = 0
-        async for name, tensor in ensure_async_iterator(weights):
-            tensor = _full_tensor(tensor)
-            if not leader:
-                continue
-            tensor = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-            bucket.append((name, tensor))
-            size += tensor.nbytes
-            count += 1
-            if size >= self.bucket_bytes:
-                await self.server_handle.update_weights.remote(bucket)
-                bucket, size = [], 0
-        if not leader:
-            return
-        if bucket:
-            await self.server_handle.update_weights.remote(bucket)
-        await self.server_handle.clear_kv_cache.remote()
-        if global_steps is not None:
-            await self.server_handle.set_global_steps.remote(global_steps)
-        logger.info(
-            "replica %d: updated %d tensors (global_steps %s) in %.2fs",
-            self.replica_rank,
-            count,
-            global_steps,
-            time.time() - start,
-        )
-
-    def generate_sequences(self, prompts: Any) -> Any:
-        """Synchronous batch generation is not offered (verl's V1 path generates through the server)."""
-        raise NotImplementedError("use the rollout server (HFReplica / LLMServerClient) to generate")

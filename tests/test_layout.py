@@ -1,0 +1,129 @@
+"""The layout shows the architecture: components, verl glue, tools, the app; dependencies one way; no cycles.
+
+Read from the source (every ``import`` statement, function-level ones included), so an import added anywhere in the
+wrong direction fails here, not in a user's process.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "gepo_plugin"
+
+#: Framework-free components: the maths and HeteroRL's core, plain torch/numpy/pydantic.
+COMPONENTS = ("gepo_plugin.maths", "gepo_plugin.hetero", "gepo_plugin.options", "gepo_plugin.names")
+#: The thin verl glue (with the patches it applies and the config it declares).
+GLUE = ("gepo_plugin.verl_glue", "gepo_plugin.patches", "gepo_plugin.patching", "gepo_plugin.config")
+#: Recipes and tools built on the components and the glue.
+TOOLS = (
+    "gepo_plugin.cpu_backend",
+    "gepo_plugin.lab",
+    "gepo_plugin.rewards",
+    "gepo_plugin.tiny",
+    "gepo_plugin.synthetic",
+    "gepo_plugin.demo",
+    "gepo_plugin.options_cli",
+)
+#: The application layer: entry point, launcher, CLIs.
+APP = (
+    "gepo_plugin.entry_point",
+    "gepo_plugin.launch",
+    "gepo_plugin.main_ppo",
+    "gepo_plugin.doctor",
+    "gepo_plugin.__main__",
+)
+FRAMEWORKS = ("verl", "ray", "transfer_queue", "hydra", "megatron", "mbridge")
+
+
+def layer(module: str) -> int:
+    if module == "gepo_plugin":  # the package itself: only its version
+        return 0
+    for rank, group in enumerate((COMPONENTS, GLUE, TOOLS, APP)):
+        if any(module == name or module.startswith(name + ".") for name in group):
+            return rank
+    raise AssertionError(f"{module} belongs to no layer: add it to tests/test_layout.py")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    for path in (ROOT / "patches").glob("*.py"):
+        stem = path.stem
+        found["gepo_plugin.patches" + ("" if stem == "__init__" else f".{stem}")] = path
+    return found
+
+
+def imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    edges = {}
+    for name, path in known.items():
+        targets = set()
+        for target in imports(path):
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):  # a package's own __init__
+                targets.add(target)
+        edges[name] = targets
+    return edges
+
+
+def test_every_module_has_a_layer():
+    for name in modules():
+        layer(name)
+
+
+def test_dependencies_run_one_way():
+    wrong = [
+        f"{source} ({layer(source)}) imports {target} ({layer(target)})"
+        for source, targets in graph().items()
+        for target in targets
+        if layer(target) > layer(source)
+    ]
+    assert wrong == []
+
+
+def test_the_components_import_no_framework_at_module_level():
+    for name, path in modules().items():
+        if layer(name) != 0:
+            continue
+        tree = ast.parse(path.read_text())
+        top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        used = {alias.name for n in top if isinstance(n, ast.Import) for alias in n.names}
+        used |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
+        assert not {u for u in used if u.split(".")[0] in FRAMEWORKS}, name
+
+
+def test_there_is_no_import_cycle():
+    edges = graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                cycles.append([*stack[stack.index(target) :], target])
+            elif target not in state:
+                visit(target, [*stack, target])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
