@@ -1,4 +1,4 @@
-"""Shared fixtures: random GEPO batches with ragged responses and several prompt groups."""
+"""Shared fixtures: random GEPO batches with ragged responses and several prompt groups; a real TransferQueue."""
 
 from __future__ import annotations
 
@@ -16,3 +16,35 @@ make_batch = random_batch
 @pytest.fixture
 def batch() -> SyntheticBatch:
     return random_batch()
+
+
+@pytest.fixture(scope="module")
+def transfer_queue():
+    """A local Ray cluster and a real TransferQueue (one storage unit), per test module."""
+    import ray
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+    yield tq
+    tq.close()
+    ray.shutdown()
+
+
+def hetero_buffer(refills: list[int] | None = None, poll_interval: float = 0.02, **hetero):
+    """The plugin's replay buffer as verl's separate_async trainer builds it (``hetero`` is the hetero block)."""
+    from omegaconf import OmegaConf
+
+    from gepo_plugin.verl_glue.hetero.replay_buffer import HeteroReplayBuffer
+
+    refills = [] if refills is None else refills
+    return HeteroReplayBuffer(
+        trainer_mode="separate_async",
+        trainer_config=OmegaConf.create({}),
+        max_off_policy_threshold=8,
+        max_off_policy_strategy="drop",
+        sampler_kwargs=OmegaConf.create({"enable": True, **hetero}),
+        refill_fn=lambda n: refills.append(n) or n,
+        poll_interval=poll_interval,
+    )

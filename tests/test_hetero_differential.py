@@ -24,7 +24,7 @@ import pytest
 ray = pytest.importorskip("ray")
 tq = pytest.importorskip("transfer_queue")
 
-from omegaconf import OmegaConf  # noqa: E402
+from conftest import hetero_buffer  # noqa: E402
 
 from gepo_plugin.hetero.delays import ExponentialDelay  # noqa: E402
 from gepo_plugin.hetero.weight_schedule import WeightArrivalSchedule  # noqa: E402
@@ -36,15 +36,6 @@ pytestmark = pytest.mark.ray
 GROUP = 2
 
 
-@pytest.fixture(scope="module")
-def transfer_queue():
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
-    yield tq
-    tq.close()
-    ray.shutdown()
-
-
 @dataclass
 class Group:
     """A finished group as the lab sees it."""
@@ -53,18 +44,6 @@ class Group:
     min_version: int
     max_version: int
     submitted: int
-
-
-def verl_buffer(hetero: dict) -> HeteroReplayBuffer:
-    return HeteroReplayBuffer(
-        trainer_mode="separate_async",
-        trainer_config=OmegaConf.create({}),
-        max_off_policy_threshold=8,
-        max_off_policy_strategy="drop",
-        sampler_kwargs=OmegaConf.create({"enable": True, **hetero}),
-        refill_fn=lambda n: n,
-        poll_interval=0.01,
-    )
 
 
 def books(core) -> dict:
@@ -84,7 +63,7 @@ def run_trace(hetero: dict, seed: int, ticks: int = 18, batch: int = 3) -> dict:
     """Drive both adapters with one random trace; assert identical decisions; return what happened."""
     rng = np.random.default_rng(seed)
     writer = RolloutWriter(tq, group_size=GROUP)
-    buffer = verl_buffer(hetero)
+    buffer = hetero_buffer(poll_interval=0.01, **hetero)
     lab = LabRolloutQueue(buffer.core.policy)
     schedule = WeightArrivalSchedule([None, ExponentialDelay(2.0), ExponentialDelay(5.0)], seed=seed)
     in_flight: dict[str, tuple[int, int, int]] = {}  # name -> (submitted step, sampler version, finish tick)
@@ -141,7 +120,7 @@ def run_trace(hetero: dict, seed: int, ticks: int = 18, batch: int = 3) -> dict:
             if lost is not None:
                 keys = [k for k in (tq.kv_list("train") or {}).get("train", {}) if k.split("_")[0] == lost]
                 tq.kv_clear(keys=keys, partition_id="train")
-            buffer = verl_buffer(hetero)
+            buffer = hetero_buffer(poll_interval=0.01, **hetero)
             buffer.load_state_dict(state_verl)
             store = {uid: group for uid, group in lab.store.items() if uid != lost}
             lab = LabRolloutQueue(buffer.core.policy)

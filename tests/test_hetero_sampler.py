@@ -16,42 +16,19 @@ import pytest
 ray = pytest.importorskip("ray")
 tq = pytest.importorskip("transfer_queue")
 
-from omegaconf import OmegaConf  # noqa: E402
+from conftest import hetero_buffer  # noqa: E402
 
 from gepo_plugin.hetero.settings import HeteroConfigError  # noqa: E402
-from gepo_plugin.verl_glue.hetero.replay_buffer import HeteroReplayBuffer  # noqa: E402
 from gepo_plugin.verl_glue.hetero.rollout_writer import RolloutWriter, clear_all  # noqa: E402
 
 pytestmark = pytest.mark.ray
 GROUP = 2  # responses per prompt
 
 
-@pytest.fixture(scope="module")
-def transfer_queue():
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
-    yield tq
-    tq.close()
-    ray.shutdown()
-
-
 @pytest.fixture
 def clean(transfer_queue):
     yield transfer_queue
     clear_all(tq)
-
-
-def make_buffer(refills: list[int] | None = None, **hetero) -> HeteroReplayBuffer:
-    refills = [] if refills is None else refills
-    return HeteroReplayBuffer(
-        trainer_mode="separate_async",
-        trainer_config=OmegaConf.create({}),
-        max_off_policy_threshold=8,
-        max_off_policy_strategy="drop",
-        sampler_kwargs=OmegaConf.create({"enable": True, **hetero}),
-        refill_fn=lambda n: refills.append(n) or n,
-        poll_interval=0.02,
-    )
 
 
 def trained_uids(batch) -> set[str]:
@@ -62,7 +39,7 @@ def trained_uids(batch) -> set[str]:
 def test_drop_bound_is_exact(clean, max_lag):
     """At learner version v, lag K is trained and lag K+1 is dropped (not K+1 trained, not K dropped)."""
     rollouts, refills = RolloutWriter(tq, group_size=GROUP), []
-    buffer = make_buffer(refills, max_lag=max_lag, strategy="drop")
+    buffer = hetero_buffer(refills, max_lag=max_lag, strategy="drop")
     step = 20  # sample(global_steps=20) trains version v = 19
     v = step - 1
     edge = rollouts.produce(step=1, version=v - max_lag)
@@ -79,7 +56,7 @@ def test_drop_bound_is_exact(clean, max_lag):
 
 def test_oldest_group_first_and_queue_depth(clean):
     rollouts = RolloutWriter(tq, group_size=GROUP)
-    buffer = make_buffer(max_lag=8, strategy="drop")
+    buffer = hetero_buffer(max_lag=8, strategy="drop")
     young = rollouts.produce(step=3, version=4, n=2)
     old = rollouts.produce(step=3, version=2)
     batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=2)
@@ -92,7 +69,7 @@ def test_oldest_group_first_and_queue_depth(clean):
 def test_lag_uses_the_oldest_token_of_the_group(clean):
     """A group whose trajectories span versions 3..6 has min_version 3, whatever its newest token."""
     rollouts = RolloutWriter(tq, group_size=GROUP)
-    buffer = make_buffer(max_lag=2, strategy="drop")
+    buffer = hetero_buffer(max_lag=2, strategy="drop")
     (uid,) = rollouts.submit(step=4)
     rollouts.finish(uid, [(5, 6), (3, 6)], step=4)
     _, metrics = _sample_some(buffer, rollouts, global_steps=7)  # v = 6: lag 3 > 2
@@ -107,13 +84,13 @@ def _sample_some(buffer, rollouts, global_steps):
 
 def test_mixed_versions_recorded_or_refused(clean):
     rollouts = RolloutWriter(tq, group_size=GROUP)
-    recorder = make_buffer(max_lag=8, strategy="drop")
+    recorder = hetero_buffer(max_lag=8, strategy="drop")
     (uid,) = rollouts.submit(step=2)
     rollouts.finish(uid, [(1, 2), (1, 1)], step=2)
     batch, metrics = recorder.sample(global_steps=3, partition_id="train", batch_size=1)
     assert trained_uids(batch) == {uid} and metrics["hetero/mixed_version_groups"] == 1
 
-    refuser = make_buffer(max_lag=8, strategy="drop", refuse_mixed_versions=True)
+    refuser = hetero_buffer(max_lag=8, strategy="drop", refuse_mixed_versions=True)
     (mixed,) = rollouts.submit(step=2)
     rollouts.finish(mixed, [(1, 2), (1, 1)], step=2)
     pure = rollouts.produce(step=2, version=2)
@@ -124,7 +101,7 @@ def test_mixed_versions_recorded_or_refused(clean):
 
 def test_failed_groups_are_counted(clean):
     rollouts, refills = RolloutWriter(tq, group_size=GROUP), []
-    buffer = make_buffer(refills, max_lag=4, strategy="drop")
+    buffer = hetero_buffer(refills, max_lag=4, strategy="drop")
     (bad,) = rollouts.submit(step=1)
     rollouts.finish(bad, [], step=1, status="failure")
     rollouts.produce(step=1, version=0)
@@ -136,7 +113,7 @@ def test_failed_groups_are_counted(clean):
 def test_wait_blocks_until_an_urgent_group_finishes_and_trains_it_first(clean):
     """wait, K=2: at step g the learner may not train while an in-flight group from version g-3 runs."""
     rollouts = RolloutWriter(tq, group_size=GROUP)
-    buffer = make_buffer(max_lag=2, strategy="wait")
+    buffer = hetero_buffer(max_lag=2, strategy="wait")
     (urgent,) = rollouts.submit(step=3)  # submitted at step 3: its tokens are from version >= 2
     rollouts.start(urgent)
     rollouts.produce(step=5, version=4, n=3)  # plenty of fresh groups
@@ -161,7 +138,7 @@ def test_wait_blocks_until_an_urgent_group_finishes_and_trains_it_first(clean):
 
 def test_wait_does_not_block_on_groups_that_can_still_wait(clean):
     rollouts = RolloutWriter(tq, group_size=GROUP)
-    buffer = make_buffer(max_lag=2, strategy="wait")
+    buffer = hetero_buffer(max_lag=2, strategy="wait")
     (later,) = rollouts.submit(step=4)  # version >= 3: lag 1 at v=4, 2 at v=5 -> may wait
     rollouts.start(later)
     fresh = rollouts.produce(step=5, version=4)
@@ -174,7 +151,7 @@ def test_wait_does_not_block_on_groups_that_can_still_wait(clean):
 def test_wait_overflow_is_evicted_and_counted_never_trained_late(clean):
     """More urgent groups than one batch: the excess is dropped as stale_overflow (counted), the bound holds."""
     rollouts = RolloutWriter(tq, group_size=GROUP)
-    buffer = make_buffer(max_lag=1, strategy="wait")
+    buffer = hetero_buffer(max_lag=1, strategy="wait")
     rollouts.produce(step=2, version=1, n=3)
     _, metrics = buffer.sample(global_steps=3, partition_id="train", batch_size=1)  # v=2: lag 1 ok
     assert metrics["hetero/lag/max"] == 1 and metrics["hetero/queue/finished_untrained"] == 2
@@ -186,13 +163,13 @@ def test_wait_overflow_is_evicted_and_counted_never_trained_late(clean):
 
 def test_resume_restores_ledger_and_queued_groups(clean):
     rollouts = RolloutWriter(tq, group_size=GROUP)
-    first = make_buffer(max_lag=8, strategy="drop")
+    first = hetero_buffer(max_lag=8, strategy="drop")
     rollouts.produce(step=1, version=0, n=3)
     first.sample(global_steps=1, partition_id="train", batch_size=1)
     state = first.state_dict()
     assert state["ledger"]["trained"] == 1 and len(state["ledger"]["queued"]) == 2
 
-    resumed = make_buffer(max_lag=8, strategy="drop")
+    resumed = hetero_buffer(max_lag=8, strategy="drop")
     resumed.load_state_dict(state)
     batch, metrics = resumed.sample(global_steps=2, partition_id="train", batch_size=2)
     assert trained_uids(batch) == set(state["ledger"]["queued"])
@@ -201,13 +178,13 @@ def test_resume_restores_ledger_and_queued_groups(clean):
 
 def test_resume_counts_groups_missing_from_the_queue(clean):
     rollouts = RolloutWriter(tq, group_size=GROUP)
-    first = make_buffer(max_lag=8, strategy="drop")
+    first = hetero_buffer(max_lag=8, strategy="drop")
     uids = rollouts.produce(step=1, version=0, n=2)
     first.sample(global_steps=1, partition_id="train", batch_size=1)
     state = first.state_dict()
     left = next(iter(state["ledger"]["queued"]))
     tq.kv_clear(keys=[left, f"{left}_0_0", f"{left}_1_0"], partition_id="train")  # lost with the storage
-    resumed = make_buffer(max_lag=8, strategy="drop")
+    resumed = hetero_buffer(max_lag=8, strategy="drop")
     resumed.load_state_dict(state)
     rollouts.produce(step=2, version=1)
     _, metrics = resumed.sample(global_steps=2, partition_id="train", batch_size=1)
@@ -219,7 +196,7 @@ def test_random_interleavings_keep_the_bound_and_the_books(clean):
     """Seeded random production (versions lagging by 0..6, some mixed, some failed) and sampling."""
     rng = np.random.default_rng(0)
     rollouts, refills = RolloutWriter(tq, group_size=GROUP), []
-    buffer = make_buffer(refills, max_lag=3, strategy="drop")
+    buffer = hetero_buffer(refills, max_lag=3, strategy="drop")
     produced = 0
     for step in range(1, 16):
         v = step - 1
@@ -259,4 +236,4 @@ def test_random_interleavings_keep_the_bound_and_the_books(clean):
 )
 def test_bad_settings_are_refused_with_a_clear_message(block, message):
     with pytest.raises(HeteroConfigError, match=message):
-        make_buffer(**block)
+        hetero_buffer(**block)

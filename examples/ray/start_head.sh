@@ -32,30 +32,9 @@ NODE_IP="${NODE_IP:-127.0.0.1}"
 RAY_PORT="${RAY_PORT:-6379}"
 DASHBOARD_PORT="${DASHBOARD_PORT:-8265}"
 RAY_CLIENT_PORT="${RAY_CLIENT_PORT:-10001}"
-# GPUs given to Ray: NUM_GPUS, else what nvidia-smi lists. No silent 0: a node where the count cannot be
-# detected (no nvidia-smi, or it fails or lists none) is an error unless NUM_GPUS says so (NUM_GPUS=0 is fine).
-if [[ -z "${NUM_GPUS:-}" ]]; then
-  if ! command -v nvidia-smi >/dev/null 2>&1; then
-    echo "start_head.sh: nvidia-smi is not on PATH, so the GPU count cannot be detected: set NUM_GPUS" \
-      "(NUM_GPUS=0 for a node without GPUs)" >&2
-    exit 2
-  fi
-  if ! gpu_list="$(nvidia-smi -L 2>&1)"; then
-    echo "start_head.sh: \`nvidia-smi -L\` failed (${gpu_list:-no output}): set NUM_GPUS (NUM_GPUS=0 for no GPUs)" >&2
-    exit 2
-  fi
-  NUM_GPUS="$(grep -c '^GPU' <<<"$gpu_list" || true)"
-  if ((NUM_GPUS == 0)); then
-    echo "start_head.sh: nvidia-smi lists no GPUs: set NUM_GPUS (NUM_GPUS=0 to start without GPUs)" >&2
-    exit 2
-  fi
-  echo "start_head.sh: detected $NUM_GPUS GPUs with nvidia-smi" >&2
-elif [[ ! "$NUM_GPUS" =~ ^[0-9]+$ ]]; then
-  echo "start_head.sh: NUM_GPUS=$NUM_GPUS is not a whole number" >&2
-  exit 2
-else
-  echo "start_head.sh: using NUM_GPUS=$NUM_GPUS GPUs" >&2
-fi
+SCRIPT_NAME=start_head.sh
+# shellcheck source=gpu_count.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_count.sh"  # sets NUM_GPUS (detected, or refused when it cannot be)
 NODE_ROLE="${NODE_ROLE-learner}"
 RAY_BLOCK="${RAY_BLOCK:-0}"
 

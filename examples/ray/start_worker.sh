@@ -28,30 +28,9 @@ if [[ -z "${RAY_HEAD_ADDRESS:-}" ]]; then
 fi
 NODE_IP="${NODE_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}"
 NODE_IP="${NODE_IP:-127.0.0.1}"
-# GPUs given to Ray: NUM_GPUS, else what nvidia-smi lists. No silent 0: a node where the count cannot be
-# detected (no nvidia-smi, or it fails or lists none) is an error unless NUM_GPUS says so (NUM_GPUS=0 is fine).
-if [[ -z "${NUM_GPUS:-}" ]]; then
-  if ! command -v nvidia-smi >/dev/null 2>&1; then
-    echo "start_worker.sh: nvidia-smi is not on PATH, so the GPU count cannot be detected: set NUM_GPUS" \
-      "(NUM_GPUS=0 for a node without GPUs)" >&2
-    exit 2
-  fi
-  if ! gpu_list="$(nvidia-smi -L 2>&1)"; then
-    echo "start_worker.sh: \`nvidia-smi -L\` failed (${gpu_list:-no output}): set NUM_GPUS (NUM_GPUS=0 for no GPUs)" >&2
-    exit 2
-  fi
-  NUM_GPUS="$(grep -c '^GPU' <<<"$gpu_list" || true)"
-  if ((NUM_GPUS == 0)); then
-    echo "start_worker.sh: nvidia-smi lists no GPUs: set NUM_GPUS (NUM_GPUS=0 to start without GPUs)" >&2
-    exit 2
-  fi
-  echo "start_worker.sh: detected $NUM_GPUS GPUs with nvidia-smi" >&2
-elif [[ ! "$NUM_GPUS" =~ ^[0-9]+$ ]]; then
-  echo "start_worker.sh: NUM_GPUS=$NUM_GPUS is not a whole number" >&2
-  exit 2
-else
-  echo "start_worker.sh: using NUM_GPUS=$NUM_GPUS GPUs" >&2
-fi
+SCRIPT_NAME=start_worker.sh
+# shellcheck source=gpu_count.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_count.sh"  # sets NUM_GPUS (detected, or refused when it cannot be)
 NODE_ROLE="${NODE_ROLE-sampler}"
 RAY_BLOCK="${RAY_BLOCK:-0}"
 

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gepo_plugin.cpu_backend import CPU_PLATFORM, ROLLOUT_NAME, cpu_platform_selected
 from gepo_plugin.verl_glue import seam
-from gepo_plugin.verl_glue.registration import on_import, run_recorded
+from gepo_plugin.verl_glue.registration import install_hooks
 
 SEPARATE_CHECKPOINT_ENGINE = "ray_mailbox"
 
@@ -62,8 +62,7 @@ def install() -> bool:
     if _INSTALLED:
         return False
     _INSTALLED.append(True)
-    for module, action, step in HOOKS:
-        on_import(module, lambda _module, action=action, step=step: run_recorded(step, action))
+    install_hooks(HOOKS)
     from gepo_plugin.cpu_backend.rollout import registration
 
     registration.install()

@@ -73,6 +73,12 @@ def _apply_server_identity() -> None:
     apply_optional("server_identity", "per-sampler-group throughput metrics are unavailable", logger)
 
 
+def install_hooks(hooks) -> None:
+    """``(verl module, action, step name)`` triples: run each action, recorded, once its module is imported."""
+    for module, action, step in hooks:
+        on_import(module, lambda _module, action=action, step=step: run_recorded(step, action))
+
+
 def install() -> None:
     """Register the post-import hooks (idempotent enough: a second hook finds the modules imported).
 

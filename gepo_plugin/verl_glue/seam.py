@@ -11,7 +11,7 @@ What this buys:
   packages with :data:`TESTED_VERSIONS` and, on a mismatch, names the features that rest on private names.
 * **A refusal, never misbehaviour.** :func:`require` checks a feature's contacts (cheaply, once per process) when
   the feature starts: the launcher calls it before Ray starts, and each feature's entry (trainer mixins, the
-  HeteroRL sampler, the CPU backend, every patch) calls it again in its own process. A missing or reshaped
+  HeteroRL replay buffer, the CPU backend, every patch) calls it again in its own process. A missing or reshaped
   contact makes that feature, and only that feature, raise :class:`SeamError` naming the contact and the fix.
 * **A table.** ``python -m gepo_plugin doctor`` prints :func:`report`: every contact, its features and status.
 
@@ -41,7 +41,7 @@ TESTED_VERSIONS: dict[str, tuple[str, ...]] = {"verl": ("0.9.1",)}
 FEATURES: dict[str, str] = {
     "group_term": "GEPO's trainer-side group term (trainers gepo_sync / gepo_colocate_async / gepo_separate_async)",
     "metric_aggregation": "max/min/sum aggregation of GEPO's *_max, *_min and by-lag metrics",
-    "hetero": "HeteroRL (hetero.enable=true): exact staleness sampler, delayed weight sync, checkpointed books",
+    "hetero": "HeteroRL (hetero.enable=true): exact staleness replay buffer, delayed weight sync, checkpointed books",
     "server_identity": "HeteroRL per-sampler-group throughput (hetero/sampler_group_<i>/trained_*)",
     "hybrid_engine_off": "separate_async with actor_rollout_ref.hybrid_engine=False (fix of a verl 0.9.1 crash)",
     "cpu_backend": "trainer.device=cpu (verl's trainer on a CPU: transformers rollout, gloo, CPU engines)",

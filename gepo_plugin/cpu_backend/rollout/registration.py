@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from gepo_plugin.cpu_backend import ROLLOUT_NAME
 from gepo_plugin.verl_glue import seam
-from gepo_plugin.verl_glue.registration import on_import, run_recorded
+from gepo_plugin.verl_glue.registration import install_hooks
 
 #: ``(name, mode)`` -> class path, as verl's ``_ROLLOUT_REGISTRY`` holds rollout adapters.
 ADAPTER_PATH = "gepo_plugin.cpu_backend.rollout.adapter.HFServerAdapter"
@@ -65,8 +65,7 @@ def install() -> None:
     if _INSTALLED:
         return
     _INSTALLED.append(True)
-    for module, action, step in HOOKS:
-        on_import(module, lambda _module, action=action, step=step: run_recorded(step, action))
+    install_hooks(HOOKS)
 
 
 install()

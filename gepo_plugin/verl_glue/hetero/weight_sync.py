@@ -15,7 +15,7 @@ snapshot of every version still being downloaded with verl's ``DetachActorWorker
 the group generates is tagged ``u``) and restores the current weights. At most one snapshot per
 group plus the newest are kept.
 
-When arrivals are installed: at every step end, and while the learner waits for data (the sampler
+When arrivals are installed: at every step end, and while the learner waits for data (the replay buffer
 calls :meth:`DelayedWeightSync.poll`). A download that lands while the learner is mid-update is
 installed at the step end; its arrival time, not the install time, drives the schedule.
 

@@ -1,4 +1,4 @@
-"""``hetero.enable=true`` -> the verl settings that make it happen (applied by ``prepare_config``).
+"""``hetero.enable=true`` -> the verl settings that make it happen (applied by the launcher, :mod:`gepo_plugin.launch`).
 
 * ``trainer.v1.sampler.custom_sampler`` -> the plugin's :class:`HeteroReplayBuffer` (verl's hook),
   with the ``hetero`` block as its ``sampler_kwargs``;
@@ -28,7 +28,7 @@ REPLACED_SAMPLER_KEYS = (f"{SAMPLER}.max_off_policy_threshold", f"{SAMPLER}.max_
 
 
 def apply_hetero(config: DictConfig, explicit: set[str] | None = None) -> HeteroSettings:
-    """Validate ``hetero`` and, when enabled, point verl's sampler and trainer at the plugin's."""
+    """Validate ``hetero`` and, when enabled, point verl's replay buffer and trainer at the plugin's."""
     explicit = explicit or set()
     settings = parse_hetero(config.get(HETERO_KEY))
     if not settings.enable:
@@ -56,7 +56,7 @@ def apply_hetero(config: DictConfig, explicit: set[str] | None = None) -> Hetero
             f"hetero.enable=true replaces verl's {', '.join(given)} with the exact bound hetero.max_lag (in weight "
             "versions) and hetero.strategy: remove the former and set the latter"
         )
-    # the sampler reads the block itself (an interpolation: `--cfg job` shows where its settings come from)
+    # the replay buffer reads the block itself (an interpolation: `--cfg job` shows where its settings come from)
     OmegaConf.update(config, f"{SAMPLER}.sampler_kwargs", "${" + HETERO_KEY + "}", force_add=True)
     # every Ray process tags rollouts with their server (patches/server_identity.py): per-group throughput
     OmegaConf.update(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{SERVER_ID_ENV}", "1", force_add=True)
