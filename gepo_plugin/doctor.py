@@ -15,7 +15,17 @@ import sys
 import time
 from typing import Any
 
-PACKAGES = ("verl", "torch", "ray", "transformers", "tensordict", "TransferQueue", "hydra-core", "megatron-core")
+PACKAGES = (
+    "verl",
+    "torch",
+    "ray",
+    "transformers",
+    "tensordict",
+    "TransferQueue",
+    "hydra-core",
+    "megatron-core",
+    "mbridge",
+)
 #: packages the plugin cannot work without (the others are reported for information).
 REQUIRED = ("verl", "torch", "ray", "transformers", "tensordict", "TransferQueue", "hydra-core")
 

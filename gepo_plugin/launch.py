@@ -100,7 +100,7 @@ def settle(config: DictConfig, explicit: set[str]) -> tuple[DictConfig, list[str
     :class:`~gepo_plugin.options.OptionsError` (a subclass per surface) for a setting that cannot work.
     """
     from gepo_plugin.cpu_backend import CPU_PLATFORM
-    from gepo_plugin.cpu_backend.activate import cpu_run_settings
+    from gepo_plugin.cpu_backend.activate import check_cpu_run, cpu_run_settings
     from gepo_plugin.verl_glue.hetero.wiring import apply_hetero
     from gepo_plugin.verl_glue.presets import apply_loss_preset, apply_settings
     from gepo_plugin.verl_glue.validation import check_device, validate_plugin_config
@@ -111,6 +111,7 @@ def settle(config: DictConfig, explicit: set[str]) -> tuple[DictConfig, list[str
     check_device(settled)
     if OmegaConf.select(settled, "trainer.device") == CPU_PLATFORM:
         apply_settings(settled, cpu_run_settings(settled), explicit)
+        check_cpu_run(settled)
     return settled, validate_plugin_config(settled, explicit)
 
 
@@ -127,7 +128,11 @@ def features_needed(config: DictConfig) -> list[str]:
         if OmegaConf.select(config, "actor_rollout_ref.hybrid_engine") is False:
             features.append("hybrid_engine_off")
     if OmegaConf.select(config, "trainer.device") == CPU_PLATFORM:
+        from gepo_plugin.cpu_backend.megatron import megatron_selected
+
         features.append("cpu_backend")
+        if megatron_selected(config):
+            features.append("megatron_cpu")
     return features
 
 

@@ -1,38 +1,58 @@
-"""Version-checked patches to verl (their code lives in the repository's ``patches/``).
+"""Version-checked patches to verl (and, for the CPU backend's Megatron engine, megatron-core and mbridge).
 
-Every change to verl's behaviour beyond its public hooks is a :class:`Patch`: a name, the verl
-versions it was written for, what it fixes and why, the seam feature whose contacts it touches
-(:mod:`gepo_plugin.verl_glue.seam`), and an ``apply`` function. :func:`apply` refuses (raises) on any
-other verl version, or when a contact it needs is missing, instead of guessing, and records what it
-applied in :data:`APPLIED`, so ``python -m gepo_plugin doctor`` can say exactly what is active. Each patch is
-applied only where it is needed: ``gloo_process_group`` by the CPU backend (``VERL_PLATFORM=cpu``),
-``hybrid_engine_off`` by HeteroRL runs with ``hybrid_engine=False``, ``server_identity`` by HeteroRL
-runs (``hetero.enable=true``). A plain GEPO run on GPUs applies none.
+Their code lives in the repository's ``patches/``. Every change to a dependency's behaviour beyond its public
+hooks is a :class:`Patch`: a name, the package versions it was written for, what it fixes and why, the seam
+feature whose contacts it touches (:mod:`gepo_plugin.verl_glue.seam`), and an ``apply`` function. :func:`apply`
+refuses (raises) on any other version, or when a contact it needs is missing, instead of guessing, and records
+what it applied in :data:`APPLIED`, so ``python -m gepo_plugin doctor`` can say exactly what is active. Each
+patch is applied only where it is needed: ``gloo_process_group`` and the Megatron ones by the CPU backend
+(``VERL_PLATFORM=cpu``; the Megatron ones only once a CPU Megatron engine is built), ``hybrid_engine_off`` by
+HeteroRL runs with ``hybrid_engine=False``, ``server_identity`` by HeteroRL runs (``hetero.enable=true``). A
+plain GEPO run on GPUs applies none.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 APPLIED: list[str] = []
 
 
 class PatchVersionError(RuntimeError):
-    """A patch was asked to apply to a verl version it was not written for."""
+    """A patch was asked to apply to a package version it was not written for."""
 
 
 @dataclass(frozen=True)
 class Patch:
-    """A change to verl's behaviour: every private name it touches is a contact of ``feature`` in the seam."""
+    """A change to a dependency's behaviour: every private name it touches is a contact of ``feature`` in the seam.
+
+    ``versions`` maps each package whose code the patch changes or relies on (``"verl"``, ``"megatron-core"``,
+    ``"mbridge"``) to the version specifier it was written for.
+    """
 
     name: str
-    verl_versions: str
+    versions: Mapping[str, str]
     reason: str
     apply: Callable[[], None]
     feature: str
+
+
+def version_problem(patch: Patch) -> str | None:
+    """Why ``patch`` must not be applied here (a package absent or at another version), or None."""
+    from packaging.specifiers import SpecifierSet
+
+    from gepo_plugin.verl_glue import seam
+
+    for package, specifier in patch.versions.items():
+        installed = seam.installed_version(package)
+        if installed is None:
+            return f"it was written for {package}{specifier}, which is not installed"
+        if installed not in SpecifierSet(specifier):
+            return f"it was written for {package} {specifier} but {package} {installed} is installed"
+    return None
 
 
 def applied_patches() -> list[str]:
@@ -41,17 +61,14 @@ def applied_patches() -> list[str]:
 
 
 def apply(patch: Patch) -> bool:
-    """Apply ``patch`` once per process; raise :class:`PatchVersionError` on an unsupported verl."""
+    """Apply ``patch`` once per process; raise :class:`PatchVersionError` on an unsupported package version."""
     if patch.name in APPLIED:
         return False
-    import verl
-    from packaging.specifiers import SpecifierSet
-
-    if verl.__version__ not in SpecifierSet(patch.verl_versions):
+    problem = version_problem(patch)
+    if problem is not None:
         raise PatchVersionError(
-            f"patch {patch.name!r} was written for verl {patch.verl_versions} but verl {verl.__version__} is "
-            f"installed; refusing to patch blindly. It fixes: {patch.reason}. Check whether this verl still "
-            "needs it and update patches/ (or use a supported verl)."
+            f"patch {patch.name!r}: {problem}; refusing to patch blindly. It fixes: {patch.reason}. Check whether "
+            "this version still needs it and update patches/ (or install a supported version)."
         )
     from gepo_plugin.verl_glue import seam
 
@@ -67,7 +84,7 @@ def apply_named(name: str) -> bool:
 
 
 def apply_optional(name: str, consequence: str, log: logging.Logger) -> bool:
-    """:func:`apply_named` for a patch a run can do without: on another verl, warn with ``consequence`` instead."""
+    """:func:`apply_named` for a patch a run can do without: on another version, warn with ``consequence`` instead."""
     try:
         return apply_named(name)
     except PatchVersionError as error:

@@ -30,7 +30,7 @@ def _apply() -> None:
 
 PATCH = Patch(
     name="gloo_process_group",
-    verl_versions="==0.9.1",
+    versions={"verl": "==0.9.1"},
     reason="verl builds the process-group backend 'cpu:gloo,cpu:gloo' on the cpu device (duplicate device type)",
     apply=_apply,
     feature="cpu_backend",

@@ -30,7 +30,7 @@ def _apply() -> None:
 
 PATCH = Patch(
     name="hybrid_engine_off",
-    verl_versions="==0.9.1",
+    versions={"verl": "==0.9.1"},
     reason="separate_async with hybrid_engine=False calls logger.info(..., flush=True), a TypeError",
     apply=_apply,
     feature="hybrid_engine_off",

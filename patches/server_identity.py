@@ -60,7 +60,7 @@ def _apply() -> None:
 
 PATCH = Patch(
     name="server_identity",
-    verl_versions="==0.9.1",
+    versions={"verl": "==0.9.1"},
     reason="rollout outputs do not say which server generated them (needed for per-sampler-group throughput)",
     apply=_apply,
     feature="server_identity",

@@ -48,3 +48,19 @@ def hetero_buffer(refills: list[int] | None = None, poll_interval: float = 0.02,
         refill_fn=lambda n: refills.append(n) or n,
         poll_interval=poll_interval,
     )
+
+
+@pytest.fixture
+def installed_versions(monkeypatch):
+    """Pretend other installed versions: ``installed_versions(verl="0.9.9", **{"megatron-core": None})``.
+
+    Every version check of the plugin (the seam's, the patches') asks ``seam.installed_version``; None means absent.
+    """
+    from gepo_plugin.verl_glue import seam
+
+    real = seam.installed_version
+
+    def pretend(**versions: str | None) -> None:
+        monkeypatch.setattr(seam, "installed_version", lambda package: versions.get(package, real(package)))
+
+    return pretend

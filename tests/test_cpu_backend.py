@@ -20,11 +20,16 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY
 from gepo_plugin.patching import applied_patches
 from gepo_plugin.verl_glue.registration import registration_status
+import torch
 engines = EngineRegistry._engines["language_model"]["fsdp2"]
+megatron_engines = EngineRegistry._engines["language_model"].get("megatron", {})
 print(json.dumps({
     "device": get_platform().device_name,
     "patches": applied_patches(),
     "cpu_engine": "cpu" in engines,
+    "cpu_megatron_engine": "cpu" in megatron_engines,
+    "cuda_megatron_engine": megatron_engines.get("cuda").__name__ if "cuda" in megatron_engines else None,
+    "torch_cuda_is_torchs": not hasattr(torch.cuda.current_device, "__wrapped__"),
     "hf_rollout": ("hf", "async") in _ROLLOUT_REGISTRY,
     "process_group_fn_is_verls": not hasattr(engine_workers.initialize_global_process_group_ray, "__wrapped__"),
     "status": registration_status(),
@@ -45,6 +50,8 @@ def test_without_the_cpu_device_importing_the_plugin_changes_nothing_in_verl():
     assert report["device"] != "cpu"
     assert report["patches"] == []
     assert report["cpu_engine"] is False
+    assert report["cpu_megatron_engine"] is False and report["cuda_megatron_engine"] == "MegatronEngineWithLMHead"
+    assert report["torch_cuda_is_torchs"] is True
     assert report["hf_rollout"] is False
     assert report["process_group_fn_is_verls"] is True
     assert report["status"]["ok"] is True
@@ -53,8 +60,10 @@ def test_without_the_cpu_device_importing_the_plugin_changes_nothing_in_verl():
 def test_with_verl_platform_cpu_every_cpu_part_is_registered():
     report = probe({"VERL_PLATFORM": "cpu"})
     assert report["device"] == "cpu"
-    assert report["patches"] == ["gloo_process_group"]
+    assert report["patches"] == ["gloo_process_group"]  # the Megatron ones wait for a CPU Megatron engine
     assert report["cpu_engine"] is True
+    assert report["cpu_megatron_engine"] is True and report["cuda_megatron_engine"] == "MegatronEngineWithLMHead"
+    assert report["torch_cuda_is_torchs"] is True
     assert report["hf_rollout"] is True
     assert report["process_group_fn_is_verls"] is False
     assert report["status"]["ok"] is True and report["status"]["errors"] == {}
@@ -69,13 +78,11 @@ def test_doctor_reports_active_patches():
     assert "patches applied:      gloo_process_group" in result.stdout
 
 
-def test_a_patch_refuses_an_unsupported_verl(monkeypatch):
-    import verl
-
+def test_a_patch_refuses_an_unsupported_verl(installed_versions):
     from gepo_plugin.patches.gloo_process_group import PATCH
     from gepo_plugin.patching import APPLIED, PatchVersionError, apply
 
-    monkeypatch.setattr(verl, "__version__", "0.9.9")
+    installed_versions(verl="0.9.9")
     before = list(APPLIED)
     with pytest.raises(PatchVersionError, match=r"written for verl ==0\.9\.1 but verl 0\.9\.9"):
         apply(PATCH)

@@ -177,8 +177,8 @@ def test_hetero_separate_async_bound_delay_accounting_and_resume(tiny, tmp_path)
     assert sum(m.get("hetero/sampler_group_1/trained_trajectories", 0) for m in metrics.values()) > 0
     state = json.loads((tmp_path / "checkpoints" / "global_step_4" / "hetero.json").read_text())
     last = metrics[4]
-    assert state["sampler"]["ledger"]["trained"] == last["hetero/trained"]
-    assert sum(state["sampler"]["ledger"]["dropped"].values()) == last["hetero/dropped"]
+    assert state["replay_buffer"]["ledger"]["trained"] == last["hetero/trained"]
+    assert sum(state["replay_buffer"]["ledger"]["dropped"].values()) == last["hetero/dropped"]
 
     code, resumed, log = run_cpu_training(_hetero_overrides(tiny, tmp_path, steps=5), tmp_path / "run2")
     assert code == 0, log[-6000:]

@@ -54,6 +54,18 @@ LAUNCHES: dict[str, tuple[dict[str, str], dict]] = {
             "sampler_kl_coef": 0.005,
         },
     ),
+    "hetero/run_qwen3_1.7b_gepo_math_megatron.sh": (
+        {"LEARNER_NODES": "2", "SAMPLER_NODES": "2", "MEGATRON_TP": "2"},
+        {
+            "mode": "separate_async",
+            "learner": (2, 8),
+            "samplers": (2, 8),
+            "hetero": True,
+            "sampler_groups": [8, 8],
+            "sampler_kl_coef": 0.005,
+            "megatron": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1},
+        },
+    ),
     "sync/run_qwen3_1.7b_gepo_math_sync.sh": (
         {},
         {"mode": "sync", "learner": (1, 8), "hetero": False, "sampler_kl_coef": 0.0},
@@ -239,6 +251,25 @@ def test_delay_can_be_switched_off(tmp_path):
     assert not any(word.startswith("hetero.delay.low") for word in words)
 
 
+def test_the_megatron_script_refuses_a_layout_that_does_not_divide_the_learner_gpus(tmp_path):
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "hetero/run_qwen3_1.7b_gepo_math_megatron.sh")],
+        env=script_env(tmp_path, {"MEGATRON_TP": "3"}),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2 and "must divide the learner GPUs (8)" in result.stderr
+    unknown = subprocess.run(
+        ["bash", str(EXAMPLES / "hetero/run_qwen3_1.7b_gepo_math.sh")],
+        env=script_env(tmp_path, {"LEARNER_ENGINE": "deepspeed"}),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert unknown.returncode == 2 and "use fsdp or megatron" in unknown.stderr
+
+
 # ------------------------------------------------- resolution with the plugin's config
 
 
@@ -272,7 +303,8 @@ def check_intent(config, expect: dict, *, prepared: bool) -> None:
     assert (get("data.max_prompt_length"), get("data.max_response_length")) == (768, 2048)
     assert get("actor_rollout_ref.actor.optim.lr") == 1e-6
     assert get("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio") == 0.03
-    assert get("actor_rollout_ref.actor.optim.lr_scheduler_type") == "constant"
+    schedule = "lr_decay_style" if expect.get("megatron") else "lr_scheduler_type"  # megatron's optimizer's name
+    assert get(f"actor_rollout_ref.actor.optim.{schedule}") == "constant"
     assert (get("actor_rollout_ref.actor.clip_ratio_low"), get("actor_rollout_ref.actor.clip_ratio_high")) == (0.2, 0.2)
     assert get("actor_rollout_ref.actor.use_kl_loss") is False
     rollout = "actor_rollout_ref.rollout"
@@ -295,6 +327,14 @@ def check_intent(config, expect: dict, *, prepared: bool) -> None:
             samplers, gpus = expect["samplers"]
             assert sum(groups) == samplers * gpus // get(f"{rollout}.tensor_model_parallel_size")
         assert get("actor_rollout_ref.hybrid_engine") is False
+    megatron = expect.get("megatron")
+    assert get("actor_rollout_ref.actor.strategy") == ("megatron" if megatron else "fsdp")
+    for key, value in (megatron or {}).items():
+        assert get(f"actor_rollout_ref.actor.megatron.{key}") == value, key
+    if megatron:  # a GPU run keeps verl's GPU settings: the CPU backend's Megatron settings are not applied
+        assert get("actor_rollout_ref.actor.megatron.use_distributed_optimizer") is True
+        assert get("actor_rollout_ref.model.use_remove_padding") is True
+        assert get("actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend") != "local"
     if prepared:
         actor = "actor_rollout_ref.actor"
         assert get(f"{actor}.policy_loss.loss_mode") == "gepo"
@@ -453,10 +493,9 @@ def test_lab_sensitivity_sweep_runs_valid_lab_commands_one_change_each():
         words = shlex.split(line)
         assert words[:4] == ["python", "-m", "gepo_plugin.lab", "stability"], words
         args = build_parser().parse_args(words[3:])
-        overrides = {name: getattr(args, name) for name in st._OVERRIDE_OPTIONS if getattr(args, name) is not None}
-        config, methods, lags, seeds = st.resolve(args.preset, args.seeds, args.methods, args.lags, overrides)
-        assert (methods, lags, seeds) == (["gepo", "gspo", "grpo"], [64], [0, 1, 2])
-        resolved[args.out.name] = config
+        config = st.config_from_args(args)
+        assert (config.methods, config.lags, config.seeds) == (["gepo", "gspo", "grpo"], [64], [0, 1, 2])
+        resolved[args.out.name] = config.model_dump()
     base = resolved.pop("base")
     expected = {
         "lr_3e-3": {"lr"},
@@ -470,7 +509,7 @@ def test_lab_sensitivity_sweep_runs_valid_lab_commands_one_change_each():
     }
     assert set(resolved) == set(expected)
     for name, config in resolved.items():
-        changed = {f for f in base.__dataclass_fields__ if getattr(config, f) != getattr(base, f)}
+        changed = {field for field in base if config[field] != base[field]}
         assert changed == expected[name], name
     unknown = subprocess.run(
         ["bash", str(EXAMPLES / "lab/sensitivity.sh"), "no_such_variant"], capture_output=True, text=True, env=env

@@ -97,13 +97,11 @@ def test_without_the_patch_verl_does_not_report_the_server(local_ray):
     assert SERVER_ID not in output.extra_fields
 
 
-def test_the_patch_refuses_another_verl(monkeypatch):
-    import verl
-
+def test_the_patch_refuses_another_verl(monkeypatch, installed_versions):
     from gepo_plugin import patching
     from gepo_plugin.patches.server_identity import PATCH
 
     monkeypatch.setattr(patching, "APPLIED", [])
-    monkeypatch.setattr(verl, "__version__", "0.9.9")
+    installed_versions(verl="0.9.9")
     with pytest.raises(patching.PatchVersionError, match=r"0\.9\.9"):
         patching.apply(PATCH)

@@ -169,27 +169,23 @@ def test_gepo_weight_by_lag_bucket_through_verls_ppo_loss_and_metric_aggregation
     assert not any("iw_by_lag" in key for key in metrics)
 
 
-def test_hybrid_engine_off_fix_refuses_another_verl(monkeypatch):
+def test_hybrid_engine_off_fix_refuses_another_verl(installed_versions):
     import importlib
-
-    import verl
 
     from gepo_plugin.patching import PatchVersionError, apply
 
-    monkeypatch.setattr(verl, "__version__", "0.9.9")
+    installed_versions(verl="0.9.9")
     with pytest.raises(PatchVersionError, match=r"0\.9\.9"):
         apply(importlib.import_module("gepo_plugin.patches.hybrid_engine_off").PATCH)
 
 
-def test_an_optional_patch_on_another_verl_warns_with_what_is_lost(monkeypatch, caplog):
+def test_an_optional_patch_on_another_verl_warns_with_what_is_lost(monkeypatch, caplog, installed_versions):
     import logging
-
-    import verl
 
     from gepo_plugin import patching
 
     monkeypatch.setattr(patching, "APPLIED", [])
-    monkeypatch.setattr(verl, "__version__", "0.9.9")
+    installed_versions(verl="0.9.9")
     log = logging.getLogger("gepo_plugin.test")
     with caplog.at_level(logging.WARNING, logger=log.name):
         assert patching.apply_optional("server_identity", "per-sampler-group throughput is unavailable", log) is False

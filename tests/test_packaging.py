@@ -33,3 +33,16 @@ def test_the_sdist_carries_the_licence_the_test_helpers_and_a_pip_users_descript
     assert not description.lstrip().startswith("```") and "bash run.sh" not in description  # not the repo README
     assert 'pip install "gepo-plugin[math]"' in description and "python -m gepo_plugin doctor" in description
     assert not re.search(r"\]\((?!https?://)[^)]+\)", description), "links must be absolute for PyPI"
+
+
+def test_the_wheel_carries_every_module_of_the_package_and_the_patches(tmp_path):
+    import zipfile
+
+    from setuptools import build_meta
+
+    wheel = tmp_path / build_meta.build_wheel(str(tmp_path))
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {name for name in archive.namelist() if name.endswith(".py")}
+    expected = {str(path.relative_to(ROOT)) for path in (ROOT / "gepo_plugin").rglob("*.py")}
+    expected |= {f"gepo_plugin/patches/{path.name}" for path in (ROOT / "patches").glob("*.py")}
+    assert expected - shipped == set(), "list the missing packages in pyproject.toml [tool.setuptools] packages"

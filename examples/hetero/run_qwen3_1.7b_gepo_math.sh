@@ -18,6 +18,8 @@
 #   MODEL_PATH [Qwen/Qwen3-1.7B]  DATA_DIR [$HOME/data/gepo_math]  TRAIN_FILE [$DATA_DIR/train.parquet]
 #   VAL_FILE [$DATA_DIR/test.parquet]  (make both with examples/data/prepare_math.py)
 #   LEARNER_NODES [1]  LEARNER_GPUS_PER_NODE [8]  SAMPLER_NODES [1]  SAMPLER_GPUS_PER_NODE [8]
+#   LEARNER_ENGINE [fsdp]: fsdp, or megatron (verl's Megatron engine; run_qwen3_1.7b_gepo_math_megatron.sh sets it
+#   and explains MEGATRON_TP [1], MEGATRON_PP [1], VANILLA_MBRIDGE [True])
 #   ROLLOUT_TP [1]  ROLLOUT_GPU_MEMORY [0.85]  HYBRID_ENGINE [False]
 #   SAMPLERS_PER_NODE_GROUP [1]: sampler nodes per delay stream (hetero.sampler_groups), or set
 #   SAMPLER_GROUPS verbatim, e.g. [8,4,4] replicas per group, or null (one group per replica)
@@ -56,6 +58,12 @@ ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-0.85}"
 HYBRID_ENGINE="${HYBRID_ENGINE:-False}"
 # Delay streams: one sampler group (one independent weight-arrival delay) per SAMPLERS_PER_NODE_GROUP nodes
 SAMPLERS_PER_NODE_GROUP="${SAMPLERS_PER_NODE_GROUP:-1}"
+
+# ---- the learner's engine: verl's FSDP (default) or Megatron ----
+LEARNER_ENGINE="${LEARNER_ENGINE:-fsdp}"
+MEGATRON_TP="${MEGATRON_TP:-1}"
+MEGATRON_PP="${MEGATRON_PP:-1}"
+VANILLA_MBRIDGE="${VANILLA_MBRIDGE:-True}"
 
 # ---- HeteroRL (paper: log-normal delay with [60 s, 1920 s] as its central 99.5% interval for 1.7B) ----
 MAX_LAG="${MAX_LAG:-64}"
@@ -139,11 +147,35 @@ LEARNER=(
   # lr 1e-6 constant with 3% warm-up (paper); weight decay 0 as in the reference's HF-Trainer defaults
   actor_rollout_ref.actor.optim.lr="$LR"
   actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.03
-  actor_rollout_ref.actor.optim.lr_scheduler_type=constant
   actor_rollout_ref.actor.optim.weight_decay=0.0
   trainer.nnodes="$LEARNER_NODES"
   trainer.n_gpus_per_node="$LEARNER_GPUS_PER_NODE"
 )
+case "$LEARNER_ENGINE" in
+  fsdp) LEARNER+=(actor_rollout_ref.actor.optim.lr_scheduler_type=constant) ;;
+  megatron)
+    if (((LEARNER_NODES * LEARNER_GPUS_PER_NODE) % (MEGATRON_TP * MEGATRON_PP) != 0)); then
+      echo "MEGATRON_TP x MEGATRON_PP ($MEGATRON_TP x $MEGATRON_PP) must divide the learner GPUs" \
+        "($((LEARNER_NODES * LEARNER_GPUS_PER_NODE)))" >&2
+      exit 2
+    fi
+    LEARNER+=(
+      model_engine=megatron
+      # megatron's optimizer config names the schedule lr_decay_style
+      actor_rollout_ref.actor.optim.lr_decay_style=constant
+      actor_rollout_ref.actor.megatron.tensor_model_parallel_size="$MEGATRON_TP"
+      actor_rollout_ref.actor.megatron.pipeline_model_parallel_size="$MEGATRON_PP"
+      # shards the fp32 master weights and Adam state over the data-parallel ranks
+      actor_rollout_ref.actor.megatron.use_distributed_optimizer=True
+      actor_rollout_ref.actor.megatron.use_mbridge=True
+      actor_rollout_ref.actor.megatron.vanilla_mbridge="$VANILLA_MBRIDGE"
+    )
+    ;;
+  *)
+    echo "LEARNER_ENGINE=$LEARNER_ENGINE: use fsdp or megatron" >&2
+    exit 2
+    ;;
+esac
 
 SAMPLERS=(
   actor_rollout_ref.rollout.name=vllm

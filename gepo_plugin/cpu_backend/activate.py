@@ -5,11 +5,14 @@ Two entry points:
 * :func:`install` runs in every verl process where the cpu platform is selected (the plugin's entry point calls
   :func:`install_if_selected`; the launcher calls :func:`install` after it selects the platform). It registers
   the ``cpu`` platform and then, as each of verl's registries is imported, verl's own FSDP engines for the cpu
-  device (public ``EngineRegistry``), the transformers rollout (``RolloutReplicaRegistry``), the Ray-mailbox
-  checkpoint engine (``CheckpointEngineRegistry``) and the version-checked gloo patch. Nothing is imported
-  before verl imports it itself, so a process pays only for what it uses.
-* :func:`cpu_run_settings` is what a ``trainer.device=cpu`` run needs in the config; the launcher fills each one
-  in only where the user set nothing.
+  device (public ``EngineRegistry``; verl's Megatron engines too, wrapped by
+  :mod:`~gepo_plugin.cpu_backend.megatron.engines`, where megatron-core is installed), the transformers rollout
+  (``RolloutReplicaRegistry``), the Ray-mailbox checkpoint engine (``CheckpointEngineRegistry``) and the
+  version-checked gloo patch. Nothing is imported before verl imports it itself, so a process pays only for what
+  it uses.
+* :func:`cpu_run_settings` is what a ``trainer.device=cpu`` run needs in the config (with the actor on verl's
+  Megatron engine, ``model_engine=megatron``, the Megatron settings instead of FSDP2); the launcher fills each one
+  in only where the user set nothing, then runs :func:`check_cpu_run`.
 
 Without ``VERL_PLATFORM=cpu`` nothing here runs: GPU hosts see no change.
 """
@@ -41,6 +44,9 @@ def _register_engines() -> None:
         if all("cpu" in registered.get(backend, {}) for backend in ("fsdp", "fsdp2")):
             continue
         EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
+    from gepo_plugin.cpu_backend.megatron.engines import register_megatron_engines
+
+    register_megatron_engines()  # only registers classes: megatron is patched when a CPU Megatron engine is built
 
 
 def _apply_gloo_patch() -> None:
@@ -52,7 +58,7 @@ def _apply_gloo_patch() -> None:
 #: verl module -> (what to register once verl imports it, the step's name for errors).
 HOOKS = (
     ("verl.plugin.platform", _register_platform, "register the cpu platform"),
-    ("verl.workers.engine", _register_engines, "register verl's FSDP engines for the cpu device"),
+    ("verl.workers.engine", _register_engines, "register verl's FSDP and Megatron engines for the cpu device"),
     ("verl.workers.engine_workers", _apply_gloo_patch, "apply the gloo process-group patch"),
 )
 
@@ -97,10 +103,16 @@ def cpu_run_settings(config: DictConfig) -> dict[str, object]:
     if separate:
         rollout = config.actor_rollout_ref.rollout
         rollout_gpus = int(rollout.get("nnodes", 1) or 1) * int(rollout.get("n_gpus_per_node", 1) or 1)
-    return {
-        "actor_rollout_ref.actor.strategy": "fsdp2",
-        "actor_rollout_ref.ref.strategy": "fsdp2",
-        "critic.strategy": "fsdp2",
+    from gepo_plugin.cpu_backend.megatron import megatron_selected
+    from gepo_plugin.cpu_backend.megatron.settings import megatron_cpu_settings
+
+    if megatron_selected(config):
+        engine_settings = megatron_cpu_settings(config)
+    else:  # verl's FSDP1 demands GPU parameters with sync_module_states
+        engine_settings = {
+            f"{role}.strategy": "fsdp2" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+        }
+    return engine_settings | {
         "actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
         "critic.model.override_config.attn_implementation": "sdpa",
         "actor_rollout_ref.rollout.name": ROLLOUT_NAME,
@@ -117,3 +129,14 @@ def cpu_run_settings(config: DictConfig) -> dict[str, object]:
         "ray_kwargs.ray_init.runtime_env.env_vars.TOKENIZERS_PARALLELISM": "false",
         "ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS": "1",
     }
+
+
+def check_cpu_run(config: DictConfig) -> None:
+    """Start-up checks of a CPU run's own settings (the transformers rollout's options, the Megatron engine's)."""
+    from gepo_plugin.cpu_backend.megatron.settings import check_megatron_cpu
+    from gepo_plugin.cpu_backend.rollout.options import HF_OPTIONS_KEY, parse_hf_options
+
+    block = OmegaConf.select(config, HF_OPTIONS_KEY, default=None)
+    full_determinism = OmegaConf.select(config, "actor_rollout_ref.rollout.full_determinism", default=False)
+    parse_hf_options(OmegaConf.to_container(block, resolve=True) if block is not None else None, full_determinism)
+    check_megatron_cpu(config)

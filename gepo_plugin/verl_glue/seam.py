@@ -27,6 +27,7 @@ import importlib
 import importlib.metadata as metadata
 import inspect
 import logging
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
@@ -35,7 +36,12 @@ from typing import Any
 logger = logging.getLogger("gepo_plugin")
 
 #: Versions every contact below was read from and tested with (the CPU e2e suite runs on them).
-TESTED_VERSIONS: dict[str, tuple[str, ...]] = {"verl": ("0.9.1",)}
+TESTED_VERSIONS: dict[str, tuple[str, ...]] = {"verl": ("0.9.1",), "megatron-core": ("0.16.1",), "mbridge": ("0.15.1",)}
+
+#: Packages whose internals features use in every verl process (an untested version is worth a warning there);
+#: megatron-core's and mbridge's are touched only by the CPU backend's Megatron engine, whose patches refuse
+#: another version when they are applied.
+WARN_AT_IMPORT: tuple[str, ...] = ("verl",)
 
 #: Features that rest on private names, with what a user loses when one refuses to start.
 FEATURES: dict[str, str] = {
@@ -45,6 +51,7 @@ FEATURES: dict[str, str] = {
     "server_identity": "HeteroRL per-sampler-group throughput (hetero/sampler_group_<i>/trained_*)",
     "hybrid_engine_off": "separate_async with actor_rollout_ref.hybrid_engine=False (fix of a verl 0.9.1 crash)",
     "cpu_backend": "trainer.device=cpu (verl's trainer on a CPU: transformers rollout, gloo, CPU engines)",
+    "megatron_cpu": "trainer.device=cpu model_engine=megatron (verl's Megatron engine on a CPU; extra [megatron-cpu])",
 }
 
 
@@ -86,6 +93,7 @@ class Contact:
 _TRAINER = "verl.trainer.ppo.v1.trainer_base"
 _BUFFER = "verl.trainer.ppo.v1.replay_buffer"
 _SERVER = "verl.workers.rollout.llm_server"
+_MEGATRON_RANDOM = "megatron.core.tensor_parallel.random"
 
 CONTACTS: tuple[Contact, ...] = (
     # the plugin's trainers (ResponseTermsMixin, HeteroMixin) extend these steps of verl's V1 trainer
@@ -194,7 +202,12 @@ CONTACTS: tuple[Contact, ...] = (
     # CPU backend registrations through private registries
     Contact("verl.workers.rollout.base", "_ROLLOUT_REGISTRY", ("cpu_backend",), "write: the hf rollout adapter"),
     Contact("verl.workers.rollout.replica", "RolloutReplicaRegistry._registry", ("cpu_backend",), "read: name taken?"),
-    Contact("verl.workers.engine.base", "EngineRegistry._engines", ("cpu_backend",), "read: cpu engines registered?"),
+    Contact(
+        "verl.workers.engine.base",
+        "EngineRegistry._engines",
+        ("cpu_backend", "megatron_cpu"),
+        "read: cpu engines registered?",
+    ),
     Contact(
         "verl.checkpoint_engine.base",
         "CheckpointEngineRegistry._registry",
@@ -207,6 +220,111 @@ CONTACTS: tuple[Contact, ...] = (
         ("cpu_backend",),
         "write: the hf replica sets self._server_handle / self._server_address in launch_servers",
         source_marker="self._server_address",
+    ),
+    # the CPU backend's Megatron engine (patches/megatron_*.py, mbridge_*.py, torch_cuda_shims.py; cpu_backend/megatron)
+    Contact(
+        _MEGATRON_RANDOM,
+        "_CUDA_RNG_STATE_TRACKER",
+        ("megatron_cpu",),
+        "replace: the tracker, on the CPU generator",
+        package="megatron-core",
+    ),
+    Contact(
+        _MEGATRON_RANDOM,
+        "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
+        ("megatron_cpu",),
+        "replace: True (keep the CPU tracker)",
+        package="megatron-core",
+    ),
+    Contact(
+        _MEGATRON_RANDOM,
+        "_MODEL_PARALLEL_RNG_TRACKER_NAME",
+        ("megatron_cpu",),
+        "read: the default state's name",
+        package="megatron-core",
+    ),
+    Contact(
+        _MEGATRON_RANDOM,
+        "CudaRNGStatesTracker.reset",
+        ("megatron_cpu",),
+        "subclass: add/fork on the CPU generator keep its states_/seeds_ bookkeeping",
+        ("self",),
+        source_marker="self.seeds_",
+        package="megatron-core",
+    ),
+    Contact(
+        _MEGATRON_RANDOM,
+        "CudaRNGStatesTracker.add",
+        ("megatron_cpu",),
+        "override: add a named state of the CPU generator",
+        ("self", "name", "seed"),
+        package="megatron-core",
+    ),
+    Contact(
+        _MEGATRON_RANDOM,
+        "CudaRNGStatesTracker.fork",
+        ("megatron_cpu",),
+        "override: fork on the CPU generator",
+        ("self", "name"),
+        package="megatron-core",
+    ),
+    Contact(
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer._init_optimizer_states_with_dummy_values",
+        ("megatron_cpu",),
+        "call: give a never-stepped optimizer its states before a checkpoint loads into them",
+        ("self",),
+        package="megatron-core",
+    ),
+    Contact(
+        "megatron.core.transformer.dot_product_attention",
+        "DotProductAttention.forward",
+        ("megatron_cpu",),
+        "subclass: read verl's [batch, seq] padding mask",
+        ("self", "query", "key", "value", "attention_mask"),
+        package="megatron-core",
+    ),
+    Contact(
+        "megatron.core.models.gpt.gpt_layer_specs",
+        "get_gpt_decoder_block_spec",
+        ("megatron_cpu",),
+        "call: the local (non-TE) decoder spec",
+        ("config", "use_transformer_engine"),
+        package="megatron-core",
+    ),
+    Contact(
+        "mbridge.core.llm_bridge",
+        "LLMBridge._get_transformer_layer_spec",
+        ("megatron_cpu",),
+        "replace: megatron's local layer spec",
+        ("self", "vp_stage"),
+        package="mbridge",
+    ),
+    Contact(
+        "mbridge.core.bridge",
+        "Bridge._weight_name_mapping_mcore_to_hf",
+        ("megatron_cpu",),
+        "wrap: the local spec's layer-norm names",
+        ("self", "mcore_weights_name"),
+        package="mbridge",
+    ),
+    Contact(
+        "verl.utils.megatron_utils",
+        "copy_megatron_model_to_cpu",
+        ("megatron_cpu",),
+        "wrap: under the CUDA-to-CPU mode (HeteroRL's weight snapshots)",
+        ("models",),
+    ),
+    Contact(
+        "verl.utils.megatron_utils",
+        "restore_megatron_model_from_cpu",
+        ("megatron_cpu",),
+        "wrap: under the CUDA-to-CPU mode",
+        ("models", "cpu_state"),
+    ),
+    Contact("torch.cuda", "current_device", ("megatron_cpu",), "replace: 'cpu' on a CPU build", (), package="torch"),
+    Contact(
+        "torch.cuda", "synchronize", ("megatron_cpu",), "replace: a no-op on a CPU build", ("device",), package="torch"
     ),
 )
 
@@ -222,10 +340,11 @@ def installed_version(package: str) -> str | None:
         return None
 
 
-def untested_packages() -> dict[str, str]:
-    """Packages whose installed version was not tested, as ``{package: version}``."""
+def untested_packages(packages: Iterable[str] | None = None) -> dict[str, str]:
+    """Installed packages (of ``packages``, default all tested ones) at an untested version, ``{package: version}``."""
     out = {}
-    for package, tested in TESTED_VERSIONS.items():
+    for package in TESTED_VERSIONS if packages is None else packages:
+        tested = TESTED_VERSIONS[package]
         version = installed_version(package)
         if version is not None and version not in tested:
             out[package] = version
@@ -237,9 +356,9 @@ def features_of(package: str) -> list[str]:
     return sorted({feature for c in CONTACTS if c.package == package for feature in c.features})
 
 
-def untested_warning() -> str | None:
-    """The single warning for untested package versions (None when everything was tested)."""
-    untested = untested_packages()
+def untested_warning(packages: Iterable[str] | None = None) -> str | None:
+    """The single warning for untested package versions (of ``packages``; None when everything was tested)."""
+    untested = untested_packages(packages)
     if not untested:
         return None
     parts = []
@@ -258,9 +377,9 @@ _WARNED = False
 
 
 def warn_if_untested() -> None:
-    """Log :func:`untested_warning` once per process (run at registration)."""
+    """Log :func:`untested_warning` for :data:`WARN_AT_IMPORT` once per process (run at registration)."""
     global _WARNED
-    message = untested_warning()
+    message = untested_warning(WARN_AT_IMPORT)
     if message and not _WARNED:
         _WARNED = True
         logger.warning(message)
@@ -268,7 +387,9 @@ def warn_if_untested() -> None:
 
 def _lookup(contact: Contact) -> tuple[Any, str, Any]:
     """(owner object, attribute name, value) of a contact; raises ImportError/AttributeError."""
-    owner: Any = importlib.import_module(contact.module)
+    with warnings.catch_warnings():  # megatron-core announces, at import, the GPU kernels a CPU host lacks
+        warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning)
+        owner: Any = importlib.import_module(contact.module)
     *path, attribute = contact.qualname.split(".")
     for part in path:
         owner = getattr(owner, part)
@@ -335,17 +456,22 @@ def feature_problems(feature: str) -> dict[str, str]:
 def require(*features: str) -> None:
     """Raise :class:`SeamError` unless every contact of every named feature is usable."""
     lines = []
+    packages: list[str] = []
     for feature in features:
         for name, found in feature_problems(feature).items():
             lines.append(f"  - {feature} ({FEATURES[feature]}): {name}: {found}")
+            package = BY_NAME[name].package
+            if package in TESTED_VERSIONS and package not in packages:
+                packages.append(package)
     if lines:
-        versions = ", ".join(f"{p} {installed_version(p)}" for p in TESTED_VERSIONS)
-        tested = ", ".join(f"{p} {'/'.join(v)}" for p, v in TESTED_VERSIONS.items())
+        versions = ", ".join(f"{p} {installed_version(p) or 'not installed'}" for p in packages)
+        tested = ", ".join(f"{p} {'/'.join(TESTED_VERSIONS[p])}" for p in packages)
+        pins = " ".join(f"'{p}=={TESTED_VERSIONS[p][-1]}'" for p in packages)
         raise SeamError(
-            "gepo-plugin cannot start these features, because internals of verl they rely on are missing or have "
-            f"changed (installed: {versions}; tested: {tested}):\n" + "\n".join(lines) + "\nFix: install a tested "
-            "version (pip install 'verl==0.9.1'), or switch the feature off; `python -m gepo_plugin doctor` shows "
-            "every internal the plugin uses."
+            "gepo-plugin cannot start these features, because internals they rely on are missing or have changed "
+            f"(installed: {versions}; tested: {tested}):\n" + "\n".join(lines) + f"\nFix: install a tested version "
+            f"(pip install {pins}), or switch the feature off; `python -m gepo_plugin doctor` shows every internal "
+            "the plugin uses."
         )
 
 

@@ -47,6 +47,7 @@ BOOLEAN_KEYS = (
     BYPASS_KEY,
     "algorithm.norm_adv_by_std_in_grpo",
     f"{ROLLOUT}.calculate_log_probs",
+    f"{ROLLOUT}.full_determinism",
     "actor_rollout_ref.hybrid_engine",
     "trainer.use_v1",
 )

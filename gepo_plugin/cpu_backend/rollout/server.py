@@ -4,7 +4,9 @@
 ``generate`` returning verl's ``TokenOutput``, plus every control method verl calls on servers (sleep/wake,
 abort/resume for partial rollout, weight updates, ...). Requests that arrive together are generated as one
 left-padded batch with a KV cache (one forward per token for the whole batch), which on a CPU is ~50x cheaper than
-one request at a time.
+one request at a time. Under ``rollout.full_determinism`` each request is generated alone, seeded from the rollout
+seed and its request id (:func:`deterministic_seed`), so a run's rollouts repeat exactly given the same weights.
+The server's options are ``rollout.engine_kwargs.hf`` (:mod:`~gepo_plugin.cpu_backend.rollout.options`).
 
 Log-probabilities follow vLLM's ``logprobs_mode`` (verl's default ``processed_logprobs``): the log-softmax of the
 distribution the sampler actually drew from, i.e. after repetition penalty, temperature, min-p, top-k and top-p;
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import inspect
 import logging
 import os
@@ -31,6 +34,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
+from gepo_plugin.cpu_backend.rollout.options import HFRolloutOptions, parse_hf_options
 from gepo_plugin.cpu_backend.rollout.sampling import (
     LOGPROBS_MODES,
     BatchParams,
@@ -81,11 +85,22 @@ class _Request:
     done: bool = False
 
 
-def _engine_kwargs(config: RolloutConfig) -> dict[str, Any]:
-    """This backend's options: ``rollout.engine_kwargs.<rollout name>`` (or ``.hf``), e.g. ``num_threads``."""
+def hf_options(config: RolloutConfig) -> HFRolloutOptions:
+    """This backend's options: ``rollout.engine_kwargs.hf`` (checked by the launcher already; again here)."""
     engine_kwargs = config.engine_kwargs or {}
-    options = engine_kwargs.get(config.name) or engine_kwargs.get(ENGINE_KWARGS_KEY) or {}
-    return {key: value for key, value in dict(options).items() if value is not None}
+    block = engine_kwargs.get(ENGINE_KWARGS_KEY) or {}
+    return parse_hf_options(dict(block), bool(config.full_determinism))
+
+
+def deterministic_seed(rollout_seed: int, request_id: str) -> int:
+    """A request's sampling seed under ``full_determinism``: from the rollout seed and the request id.
+
+    verl's agent loop names requests ``det-<sample index>`` under full determinism, so the same sample gets the same
+    seed in every run, whichever replica serves it and whenever it arrives, and the responses of one prompt (distinct
+    indices) still differ from each other.
+    """
+    digest = hashlib.sha256(f"{rollout_seed}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def _eos_token_ids(model_config: HFModelConfig) -> set[int]:
@@ -134,7 +149,7 @@ class HFGenerationServer:
         self.rollout_mode = rollout_mode
         self.replica_rank = replica_rank
         self.node_rank = node_rank
-        self.engine_kwargs = _engine_kwargs(self.config)
+        self.options = hf_options(self.config)
         #: Version of the weights being served, set by the adapter after each update (TokenOutput.extra_fields).
         self.global_steps: int | None = None
 
@@ -149,8 +164,8 @@ class HFGenerationServer:
         self.logprobs_mode = self.config.logprobs_mode or "processed_logprobs"
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode {self.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
-        self.max_batch_size = int(self.engine_kwargs.get("max_batch_size", self.config.max_num_seqs))
-        self.batch_wait_s = float(self.engine_kwargs.get("batch_wait_ms", 10.0)) / 1000.0
+        self.max_batch_size = self.options.batch_size(self.config.max_num_seqs, bool(self.config.full_determinism))
+        self.batch_wait_s = self.options.batch_wait_ms / 1000.0
         self.eos_token_ids = _eos_token_ids(self.model_config)
         tokenizer = self.model_config.tokenizer
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
@@ -189,12 +204,11 @@ class HFGenerationServer:
     # ---------------------------------------------------------------- lifecycle
 
     async def launch_server(self) -> None:
-        """Load the model (float32, SDPA attention) and start the batch scheduler."""
+        """Load the model (``engine_kwargs.hf.dtype``, SDPA attention by default) and start the batch scheduler."""
         if self.model is not None:
             return
-        num_threads = self.engine_kwargs.get("num_threads")
-        if num_threads:
-            torch.set_num_threads(int(num_threads))
+        if self.options.num_threads:
+            torch.set_num_threads(self.options.num_threads)
         self.model = await asyncio.to_thread(self._load_model)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         # compute logits for the last position only, where the model supports it (prefill of long prompts)
@@ -218,12 +232,12 @@ class HFGenerationServer:
     def _load_model(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        dtype = getattr(torch, str(self.engine_kwargs.get("dtype", "float32")))
+        dtype = getattr(torch, self.options.dtype)
         model = AutoModelForCausalLM.from_pretrained(
             self.model_config.local_path,
             config=self.model_config.hf_config,
             dtype=dtype,
-            attn_implementation=str(self.engine_kwargs.get("attn_implementation", "sdpa")),
+            attn_implementation=self.options.attn_implementation,
             trust_remote_code=self.model_config.trust_remote_code,
         )
         model.eval()
@@ -285,7 +299,7 @@ class HFGenerationServer:
         if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             # checked per request: a bad id inside a shared batch would fail every request in it
             raise ValueError(f"prompt ids must be a non-empty list of ids in [0, {self.vocab_size})")
-        spec = self.parse_sampling_params(len(prompt_ids), dict(sampling_params))
+        spec = self.parse_sampling_params(len(prompt_ids), dict(sampling_params), request_id)
 
         rejected = await self._park_until_admitted(request_id)
         if rejected is not None:
@@ -310,7 +324,7 @@ class HFGenerationServer:
             if self._requests.get(request_id) is request:
                 del self._requests[request_id]
 
-    def parse_sampling_params(self, prompt_len: int, params: dict[str, Any]) -> SamplingSpec:
+    def parse_sampling_params(self, prompt_len: int, params: dict[str, Any], request_id: str = "") -> SamplingSpec:
         """Validate one request's sampling parameters, with vLLM's defaults and max_tokens rule."""
         max_possible = self.max_model_len - prompt_len
         if max_possible < 1:
@@ -333,7 +347,7 @@ class HFGenerationServer:
             stop_ids |= self.eos_token_ids
         seed = params.pop("seed", None)
         if seed is None and self.config.full_determinism:
-            seed = self.replica_rank + self.config.seed
+            seed = deterministic_seed(int(self.config.seed), request_id)
         spec = SamplingSpec(
             max_tokens=max_tokens,
             temperature=float(params.pop("temperature", self.config.temperature)),

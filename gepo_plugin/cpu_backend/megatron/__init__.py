@@ -1,0 +1,17 @@
+"""verl's Megatron engine (``model_engine=megatron``) on the CPU backend: ``settings`` and ``engines``.
+
+Only for ``trainer.device=cpu`` runs whose actor is on verl's Megatron engine, with the ``[megatron-cpu]`` extra
+(megatron-core 0.16.1 and mbridge 0.15.1, the versions every patch was written for). Nothing here imports
+megatron-core until a CPU Megatron engine is built, so a GPU host or an FSDP run never pays for it.
+"""
+
+from omegaconf import DictConfig, OmegaConf
+
+MEGATRON_STRATEGY = "megatron"
+#: The roles whose engine ``model_engine=megatron`` selects (each has a ``<role>.megatron`` subtree then).
+MEGATRON_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+
+
+def megatron_selected(config: DictConfig) -> bool:
+    """Is the actor on verl's Megatron engine? (``model_engine=megatron`` composes ``actor.strategy=megatron``.)"""
+    return OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default=None) == MEGATRON_STRATEGY
