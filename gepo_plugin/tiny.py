@@ -60,8 +60,15 @@ def tiny_model_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads:
     )
 
 
-def write_tiny_model(path: str | Path, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0) -> Path:
-    """Save a random Llama-architecture causal LM and its tokenizer to ``path`` (an HF model directory)."""
+def write_tiny_model(
+    path: str | Path, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0, bf16_exact: bool = False
+) -> Path:
+    """Save a random Llama-architecture causal LM and its tokenizer to ``path`` (an HF model directory).
+
+    ``bf16_exact`` rounds every weight to the nearest bfloat16 (still saved as float32), so an engine that keeps
+    bf16 parameters (verl's Megatron engine) holds exactly the weights an fp32 one (FSDP2) does, and both send
+    identical weights to the rollout: runs under the two engines can then be compared step for step.
+    """
     import torch
     from transformers import LlamaForCausalLM
 
@@ -70,6 +77,10 @@ def write_tiny_model(path: str | Path, hidden: int = 64, layers: int = 2, heads:
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_model_config(len(tokenizer), hidden, layers, heads))
+    if bf16_exact:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.copy_(parameter.to(torch.bfloat16).to(parameter.dtype))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
@@ -129,9 +140,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     return 1.0 if match.group(1) == str(ground_truth) else FORMAT_REWARD
 
 
-def write_all(out: str | Path, seed: int = 0, train: int = 64, val: int = 16) -> dict[str, str]:
+def write_all(
+    out: str | Path, seed: int = 0, train: int = 64, val: int = 16, bf16_exact: bool = False
+) -> dict[str, str]:
+    """The tiny model, the datasets and the reward's path (``bf16_exact``: see :func:`write_tiny_model`)."""
     out = Path(out)
-    model = write_tiny_model(out / "model", seed=seed)
+    model = write_tiny_model(out / "model", seed=seed, bf16_exact=bf16_exact)
     train_file, val_file = write_dataset(out / "data", train=train, val=val, seed=seed)
     return {
         "model": str(model),

@@ -1,4 +1,5 @@
-"""Shared fixtures: random GEPO batches with ragged responses and several prompt groups; a real TransferQueue."""
+"""Shared fixtures: random GEPO batches with ragged responses and several prompt groups; a real TransferQueue; the
+tiny model and the FSDP2 GEPO run the CPU e2e modules share (``tests/cpu_runs.py``)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,23 @@ def installed_versions(monkeypatch):
         monkeypatch.setattr(seam, "installed_version", lambda package: versions.get(package, real(package)))
 
     return pretend
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> dict[str, str]:
+    """The tiny model (bf16-exact weights, see ``tests/cpu_runs.py``), its data and reward, for every e2e module."""
+    from gepo_plugin.tiny import write_all
+
+    return write_all(tmp_path_factory.mktemp("tiny"), bf16_exact=True)
+
+
+@pytest.fixture(scope="session")
+def fsdp_gepo_sync_run(tiny, tmp_path_factory):
+    """GEPO, sync, 3 steps on verl's FSDP2 actor with deterministic rollouts, checkpoint at step 3 (run once)."""
+    from cpu_runs import gepo_sync_overrides, timed_run
+
+    workdir = tmp_path_factory.mktemp("gepo_sync_fsdp2")
+    overrides = gepo_sync_overrides(tiny, workdir, 3)
+    code, metrics, log = timed_run("fsdp2 sync, 3 steps", overrides, workdir)
+    assert code == 0, log[-6000:]
+    return {"workdir": workdir, "metrics": metrics, "log": log, "overrides": overrides}

@@ -382,3 +382,16 @@ def test_update_weights_through_verl_checkpoint_manager_changes_outputs(replica,
     logits = _step_logits(new, prompt, out.token_ids)
     expected = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor(out.log_probs), expected, atol=1e-4)
+
+
+def test_deterministic_seeds_tell_identical_requests_apart_and_repeat():
+    """Under full_determinism verl's V1 path names every request ``det-0``: one prompt's n responses differ only by
+    their occurrence, which must give them different seeds, and the same occurrence the same seed in every run."""
+    from gepo_plugin.cpu_backend.rollout.server import deterministic_seed
+
+    group = [deterministic_seed(7, "det-0", PROMPT, occurrence) for occurrence in range(8)]
+    assert len(set(group)) == 8
+    assert group == [deterministic_seed(7, "det-0", PROMPT, occurrence) for occurrence in range(8)]
+    assert deterministic_seed(7, "det-0", [*PROMPT, 9], 0) != group[0]  # another prompt
+    assert deterministic_seed(8, "det-0", PROMPT, 0) != group[0]  # another rollout seed
+    assert all(0 <= seed < 2**63 for seed in group)

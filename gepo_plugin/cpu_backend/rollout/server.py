@@ -5,7 +5,8 @@
 abort/resume for partial rollout, weight updates, ...). Requests that arrive together are generated as one
 left-padded batch with a KV cache (one forward per token for the whole batch), which on a CPU is ~50x cheaper than
 one request at a time. Under ``rollout.full_determinism`` each request is generated alone, seeded from the rollout
-seed and its request id (:func:`deterministic_seed`), so a run's rollouts repeat exactly given the same weights.
+seed, its request id, prompt and occurrence (:func:`deterministic_seed`), so each prompt's group of responses
+repeats exactly given the same weights.
 The server's options are ``rollout.engine_kwargs.hf`` (:mod:`~gepo_plugin.cpu_backend.rollout.options`).
 
 Log-probabilities follow vLLM's ``logprobs_mode`` (verl's default ``processed_logprobs``): the log-softmax of the
@@ -24,6 +25,7 @@ import inspect
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,14 +94,18 @@ def hf_options(config: RolloutConfig) -> HFRolloutOptions:
     return parse_hf_options(dict(block), bool(config.full_determinism))
 
 
-def deterministic_seed(rollout_seed: int, request_id: str) -> int:
-    """A request's sampling seed under ``full_determinism``: from the rollout seed and the request id.
+def deterministic_seed(rollout_seed: int, request_id: str, prompt_ids: Iterable[int] = (), occurrence: int = 0) -> int:
+    """A request's sampling seed under ``full_determinism``: from the rollout seed, the request and its occurrence.
 
-    verl's agent loop names requests ``det-<sample index>`` under full determinism, so the same sample gets the same
-    seed in every run, whichever replica serves it and whenever it arrives, and the responses of one prompt (distinct
-    indices) still differ from each other.
+    verl's agent loop names requests ``det-<priority>`` under full determinism, but its V1 trainers' streaming
+    path passes no per-sample priority, so all requests are ``det-0`` and verl's router sends them all to one
+    server (sticky by id). Identical requests (same id and prompt: one prompt's ``n`` responses) are told apart by
+    their ``occurrence`` on that server (0, 1, ...): which of them gets which seed depends on arrival order, but
+    they are interchangeable, so each group's set of responses is the same in every run with the same weights,
+    and the responses of one prompt still differ from each other.
     """
-    digest = hashlib.sha256(f"{rollout_seed}:{request_id}".encode()).digest()
+    key = f"{rollout_seed}:{request_id}:{occurrence}:" + ",".join(str(int(t)) for t in prompt_ids)
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
@@ -150,6 +156,8 @@ class HFGenerationServer:
         self.replica_rank = replica_rank
         self.node_rank = node_rank
         self.options = hf_options(self.config)
+        #: Under full_determinism: how many identical requests (id and prompt) this server has seen.
+        self._identical_requests: Counter[str] = Counter()
         #: Version of the weights being served, set by the adapter after each update (TokenOutput.extra_fields).
         self.global_steps: int | None = None
 
@@ -299,7 +307,12 @@ class HFGenerationServer:
         if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             # checked per request: a bad id inside a shared batch would fail every request in it
             raise ValueError(f"prompt ids must be a non-empty list of ids in [0, {self.vocab_size})")
-        spec = self.parse_sampling_params(len(prompt_ids), dict(sampling_params), request_id)
+        occurrence = 0
+        if self.config.full_determinism:  # identical requests (one prompt's n responses) numbered 0, 1, ...
+            key = hashlib.sha256(f"{request_id}:{prompt_ids}".encode()).hexdigest()
+            occurrence = self._identical_requests[key]
+            self._identical_requests[key] += 1
+        spec = self.parse_sampling_params(len(prompt_ids), dict(sampling_params), request_id, prompt_ids, occurrence)
 
         rejected = await self._park_until_admitted(request_id)
         if rejected is not None:
@@ -324,8 +337,18 @@ class HFGenerationServer:
             if self._requests.get(request_id) is request:
                 del self._requests[request_id]
 
-    def parse_sampling_params(self, prompt_len: int, params: dict[str, Any], request_id: str = "") -> SamplingSpec:
-        """Validate one request's sampling parameters, with vLLM's defaults and max_tokens rule."""
+    def parse_sampling_params(
+        self,
+        prompt_len: int,
+        params: dict[str, Any],
+        request_id: str = "",
+        prompt_ids: Iterable[int] = (),
+        occurrence: int = 0,
+    ) -> SamplingSpec:
+        """Validate one request's sampling parameters, with vLLM's defaults and max_tokens rule.
+
+        Under ``full_determinism`` a request without its own ``seed`` gets :func:`deterministic_seed`'s.
+        """
         max_possible = self.max_model_len - prompt_len
         if max_possible < 1:
             raise ValueError(
@@ -347,7 +370,7 @@ class HFGenerationServer:
             stop_ids |= self.eos_token_ids
         seed = params.pop("seed", None)
         if seed is None and self.config.full_determinism:
-            seed = deterministic_seed(int(self.config.seed), request_id)
+            seed = deterministic_seed(int(self.config.seed), request_id, prompt_ids, occurrence)
         spec = SamplingSpec(
             max_tokens=max_tokens,
             temperature=float(params.pop("temperature", self.config.temperature)),
