@@ -25,5 +25,9 @@ fi
 wait
 "$LAB" paired docs/lab/seeds20/part1/stability_summary.json docs/lab/seeds20/part2/stability_summary.json \
   --a gepo --b gspo grpo --json docs/lab/seeds20/paired.json | tee docs/lab/seeds20/paired.md
+"$LAB" paired docs/lab/seeds20/part1/stability_summary.json docs/lab/seeds20/part2/stability_summary.json \
+  --a gepo --b gspo grpo --metric best_to_last_gap | tee docs/lab/seeds20/paired_gap.md
+.venv/bin/python docs/lab/combined_table.py docs/lab/seeds20/part1/stability_summary.json \
+  docs/lab/seeds20/part2/stability_summary.json | tee docs/lab/seeds20/table.md
 "$LAB" paired docs/lab/harsh/stability_summary.json --a gepo --b gspo grpo --json docs/lab/harsh/paired.json \
   | tee docs/lab/harsh/paired.md
