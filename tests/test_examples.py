@@ -251,22 +251,17 @@ def test_delay_can_be_switched_off(tmp_path):
     assert not any(word.startswith("hetero.delay.low") for word in words)
 
 
+def run_script(name: str, tmp: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``examples/<name>`` in :func:`script_env` with ``env`` added."""
+    return subprocess.run(
+        ["bash", str(EXAMPLES / name)], env=script_env(tmp, env), capture_output=True, text=True, timeout=30
+    )
+
+
 def test_the_megatron_script_refuses_a_layout_that_does_not_divide_the_learner_gpus(tmp_path):
-    result = subprocess.run(
-        ["bash", str(EXAMPLES / "hetero/run_qwen3_1.7b_gepo_math_megatron.sh")],
-        env=script_env(tmp_path, {"MEGATRON_TP": "3"}),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    result = run_script("hetero/run_qwen3_1.7b_gepo_math_megatron.sh", tmp_path, {"MEGATRON_TP": "3"})
     assert result.returncode == 2 and "must divide the learner GPUs (8)" in result.stderr
-    unknown = subprocess.run(
-        ["bash", str(EXAMPLES / "hetero/run_qwen3_1.7b_gepo_math.sh")],
-        env=script_env(tmp_path, {"LEARNER_ENGINE": "deepspeed"}),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    unknown = run_script("hetero/run_qwen3_1.7b_gepo_math.sh", tmp_path, {"LEARNER_ENGINE": "deepspeed"})
     assert unknown.returncode == 2 and "use fsdp or megatron" in unknown.stderr
 
 
