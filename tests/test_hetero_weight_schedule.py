@@ -87,3 +87,33 @@ def test_bad_publications_are_refused():
         schedule.publish(6, 9.0)
     with pytest.raises(ValueError, match="at least one"):
         WeightArrivalSchedule([], seed=0)
+
+
+def test_a_retired_group_downloads_nothing_and_no_longer_holds_the_oldest_version():
+    schedule = WeightArrivalSchedule([ConstantDelay(1.0), ConstantDelay(100.0)], seed=0)
+    schedule.publish(1, 0.0)
+    assert schedule.oldest_held() == 0 and schedule.needed_versions() == {1}  # both download version 1
+    schedule.retire(1)
+    assert schedule.needed_versions() == {1} and schedule.downloading[1] is None
+    deliveries = schedule.publish(2, 5.0)  # group 0 got 1 at t=1, then started on 2 at t=5
+    assert [(d.group, d.version) for d in deliveries] == [(0, 1)]
+    assert schedule.oldest_held() == 1  # group 1's version 0 no longer pins the floor
+    assert schedule.downloading[1] is None  # nothing started for the retired group
+    assert schedule.advance(1000.0)[-1].group == 0
+
+
+def test_a_group_rejoins_with_the_newest_version():
+    schedule = WeightArrivalSchedule([None, ConstantDelay(50.0)], seed=0)
+    for version in (1, 2, 3):
+        schedule.publish(version, float(version))
+    schedule.retire(1)
+    assert schedule.rejoin(1) == 3 and schedule.held == [3, 3] and schedule.oldest_held() == 3
+    schedule.publish(4, 4.0)  # the rejoined group downloads again
+    assert schedule.downloading[1] is not None and schedule.downloading[1][0] == 4
+
+
+def test_with_every_group_retired_there_is_no_oldest_version():
+    schedule = WeightArrivalSchedule([None], seed=0)
+    schedule.retire(0)
+    with pytest.raises(ValueError, match="no sampler group is live"):
+        schedule.oldest_held()

@@ -64,6 +64,9 @@ MISTAKES = [
     ("bad group scope", ["actor_rollout_ref.actor.policy_loss.group_scope=group"], "group_scope='group'"),
     ("one response per prompt", ["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n=1"),
     ("bad hetero bound", [*HETERO, "hetero.max_lag=-1"], "hetero.max_lag=-1"),
+    ("hung-sampler timeout not positive", [*HETERO, "hetero.health.timeout_s=0"], "hetero.health.timeout_s=0"),
+    ("probe interval not a number", [*HETERO, "hetero.health.interval_s=nan"], "hetero.health.interval_s"),
+    ("replacement flag read as boolean", [*HETERO, "hetero.replace_failed=yes"], "hetero.replace_failed='yes'"),
     ("bad hetero strategy", [*HETERO, "hetero.strategy=dropp"], "hetero.strategy='dropp'"),
     (
         "margin beyond the bound",

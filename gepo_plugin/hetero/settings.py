@@ -34,6 +34,28 @@ class HeteroConfigError(OptionsError):
     """An impossible ``hetero`` setting; the message names the key and how to fix it."""
 
 
+class HealthConfig(BaseModel):
+    """How dead or hung samplers are detected (``hetero.health.*``); see README "When a sampler fails"."""
+
+    model_config = STRICT_BLOCK
+
+    enable: StrictBool = Field(
+        True,
+        description="true: probe every sampler's rollout servers and retire a sampler that died or hung, so training "
+        "goes on with the others; false: a lost sampler is noticed only when a call to it fails",
+    )
+    interval_s: float = Field(
+        2.0, gt=0, allow_inf_nan=False, description="seconds between two probes of the same rollout server"
+    )
+    timeout_s: float = Field(
+        30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="a server that has not answered a probe within this many seconds is hung: it is stopped and its "
+        "sampler retired (make it longer than the longest pause of a healthy server, e.g. a weight install)",
+    )
+
+
 class HeteroConfig(BaseModel):
     """HeteroRL's options (``hetero.*``)."""
 
@@ -78,6 +100,15 @@ class HeteroConfig(BaseModel):
     )
     group_delays: list[DelayConfig] | None = Field(
         None, description="one delay per sampler group (groups may differ); null = `delay` for every group"
+    )
+
+    health: HealthConfig = Field(
+        default_factory=HealthConfig, description="detection of samplers that died or hung (hetero.health.*)"
+    )
+    replace_failed: StrictBool = Field(
+        False,
+        description="true: a retired sampler replica is replaced by a new one, which installs the learner's current "
+        "weights before it takes requests; false: training goes on with the samplers left",
     )
 
     @model_validator(mode="after")
@@ -126,6 +157,10 @@ class HeteroSettings:
     def sampler_groups(self) -> tuple[int, ...] | None:
         groups = self.config.sampler_groups
         return None if groups is None else tuple(groups)
+
+    @property
+    def health(self) -> HealthConfig:
+        return self.config.health
 
     @property
     def simulates_delay(self) -> bool:

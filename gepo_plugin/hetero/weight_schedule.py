@@ -11,7 +11,11 @@ never a fresher one than the network would have delivered.
 The schedule is event-driven and lazy: :meth:`WeightArrivalSchedule.advance` replays every
 arrival up to ``now`` in time order, so it gives the same answer whether it is called every
 second or once per learner step (only the wall-clock moment the weights are *installed* differs,
-which the verl glue keeps small by polling while the learner waits for data). Delays come from
+which the verl glue keeps small by polling while the learner waits for data).
+
+A group that lost every sampler is *retired*: it downloads nothing and no longer holds the oldest version (else
+its last version would pin :meth:`oldest_held` down forever). A replacement *rejoins* with the learner's newest
+version installed before it serves. Delays come from
 :func:`gepo_plugin.hetero.delays.delay_rng` streams per group: reproducible for a seed, and
 adding a group does not change the others' draws.
 """
@@ -51,6 +55,8 @@ class WeightArrivalSchedule:
         self._pub_times: list[float] = [float(start_time)]
         self._pub_versions: list[int] = [int(start_version)]
         self.drawn: list[list[float]] = [[] for _ in delays]
+        #: False for a group that lost every sampler (see :meth:`retire`).
+        self.live: list[bool] = [True] * len(delays)
 
     @property
     def num_groups(self) -> int:
@@ -80,7 +86,7 @@ class WeightArrivalSchedule:
         self._pub_times.append(float(now))
         self._pub_versions.append(int(version))
         for group in range(self.num_groups):
-            if self.downloading[group] is None and self.held[group] < version:
+            if self.live[group] and self.downloading[group] is None and self.held[group] < version:
                 self._start(group, version, now)
         return deliveries + self.advance(now)
 
@@ -102,8 +108,24 @@ class WeightArrivalSchedule:
             if newest > version:
                 self._start(group, newest, arrival)
 
+    def retire(self, group: int) -> None:
+        """``group`` lost every sampler: its download in progress is abandoned and it no longer counts."""
+        self.live[group] = False
+        self.downloading[group] = None
+
+    def rejoin(self, group: int) -> int:
+        """A replacement serves ``group``: it installs the newest published version at once (returned)."""
+        self.live[group] = True
+        self.downloading[group] = None
+        self.held[group] = self.latest
+        return self.latest
+
     def oldest_held(self) -> int:
-        return min(self.held)
+        """The oldest version a live group holds (every newly started rollout is at least this fresh)."""
+        held = [version for version, live in zip(self.held, self.live, strict=True) if live]
+        if not held:
+            raise ValueError("no sampler group is live")
+        return min(held)
 
     def needed_versions(self) -> set[int]:
         """Versions whose weights must be kept: being downloaded, or the newest (the next download's source)."""

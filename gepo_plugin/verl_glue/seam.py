@@ -48,6 +48,7 @@ FEATURES: dict[str, str] = {
     "group_term": "GEPO's trainer-side group term (trainers gepo_sync / gepo_colocate_async / gepo_separate_async)",
     "metric_aggregation": "max/min/sum aggregation of GEPO's *_max, *_min and by-lag metrics",
     "hetero": "HeteroRL (hetero.enable=true): exact staleness replay buffer, delayed weight sync, checkpointed books",
+    "elastic_samplers": "HeteroRL survives a sampler that dies or hangs (hetero.health.*, hetero.replace_failed)",
     "server_identity": "HeteroRL per-sampler-group throughput (hetero/sampler_group_<i>/trained_*)",
     "hybrid_engine_off": "separate_async with actor_rollout_ref.hybrid_engine=False (fix of a verl 0.9.1 crash)",
     "cpu_backend": "trainer.device=cpu (verl's trainer on a CPU: transformers rollout, gloo, CPU engines)",
@@ -159,6 +160,53 @@ CONTACTS: tuple[Contact, ...] = (
         ("hetero",),
         "override: install arrived weights while the learner waits",
         ("self", "partition_id", "last_debug_time"),
+    ),
+    # elastic samplers: a lost replica leaves the balancer, the weight sync and verl's replica lists; a
+    # replacement is started like verl's standalone replicas (public names, whose shape the plugin relies on)
+    Contact(
+        "verl.workers.rollout.router",
+        "GlobalRequestLoadBalancer.remove_servers",
+        ("elastic_samplers",),
+        "call: stop routing to a lost replica's server",
+        ("self", "server_ids"),
+    ),
+    Contact(
+        "verl.workers.rollout.router",
+        "GlobalRequestLoadBalancer.add_servers",
+        ("elastic_samplers",),
+        "call: route to a replacement",
+        ("self", "servers"),
+    ),
+    Contact(
+        "verl.checkpoint_engine.base",
+        "CheckpointEngineManager.remove_replicas",
+        ("elastic_samplers",),
+        "call: a lost replica leaves its group's weight sync",
+        ("self", "replicas"),
+    ),
+    Contact(
+        "verl.checkpoint_engine.base",
+        "CheckpointEngineManager.add_replicas",
+        ("elastic_samplers",),
+        "call: a replacement joins its group's weight sync",
+        ("self", "replicas"),
+    ),
+    Contact(
+        _SERVER,
+        "LLMServerManager._initialize_llm_servers",
+        ("elastic_samplers",),
+        "read rollout_replicas / server_handles / server_addresses (kept in step with the live replicas), "
+        "rollout_replica_class, rollout_config, model_config",
+        ("self",),
+        source_marker="self.server_addresses = [server._server_address for server in self.rollout_replicas]",
+    ),
+    Contact(
+        "verl.workers.rollout.replica",
+        "RolloutReplica.init_standalone",
+        ("elastic_samplers",),
+        "call: start a replacement (its resource_pool.pgs, workers and servers are read to fence a lost replica)",
+        ("self",),
+        source_marker="self.workers = worker_group.workers",
     ),
     # verl's metric container: GEPO's *_max/*_min/by-lag metrics are re-wrapped with another aggregation
     Contact(

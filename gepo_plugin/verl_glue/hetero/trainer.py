@@ -3,9 +3,9 @@
 :class:`HeteroMixin` is inert unless ``hetero.enable=true``. Then it
 
 1. replaces the standalone (sampler) ``CheckpointEngineManager`` with
-   :class:`~gepo_plugin.verl_glue.hetero.weight_sync.DelayedWeightSync` when a delay is configured, and
-   connects it to the plugin's replay buffer (version floors for in-flight groups, installs while the
-   learner waits);
+   :class:`~gepo_plugin.verl_glue.hetero.weight_sync.DelayedWeightSync` (simulated delay, if configured, and
+   elastic samplers: lost replicas are retired, optionally replaced) and connects it to the plugin's replay
+   buffer (version floors for in-flight groups, installs and retirements while the learner waits);
 2. saves the replay buffer's books (:class:`~gepo_plugin.hetero.core.StalenessCore`) as ``hetero.json`` next to
    verl's checkpoint (verl's TransferQueue checkpoint holds the groups themselves) and restores them on
    resume, so counters continue and nothing is counted twice or lost;
@@ -65,13 +65,21 @@ class HeteroMixin:
                 "trainer.v1.sampler.custom_sampler.path=pkg://gepo_plugin.verl_glue.hetero.replay_buffer "
                 "trainer.v1.sampler.custom_sampler.name=HeteroReplayBuffer"
             )
-        if settings.simulates_delay:
-            from gepo_plugin.verl_glue.hetero.weight_sync import DelayedWeightSync
+        from gepo_plugin.verl_glue.hetero.weight_sync import DelayedWeightSync
 
-            sync = DelayedWeightSync(self.standalone_checkpoint_manager, settings)
-            self.standalone_checkpoint_manager = sync
-            sync.version_floors = buffer.core.version_floors  # the sync records, the core decides
-            buffer.on_poll = sync.poll
+        sync = DelayedWeightSync(
+            self.standalone_checkpoint_manager, settings, server_manager=self.standalone_server_manager
+        )
+        self.standalone_checkpoint_manager = sync
+        sync.version_floors = buffer.core.version_floors  # the sync records, the core decides
+        sync.roster.load_state_dict(getattr(self, "_resumed_sampler_books", {}))
+        buffer.on_poll = sync.poll
+
+    def _weight_sync(self):
+        from gepo_plugin.verl_glue.hetero.weight_sync import DelayedWeightSync
+
+        sync = getattr(self, "standalone_checkpoint_manager", None)
+        return sync if isinstance(sync, DelayedWeightSync) else None
 
     def _compute_advantage(self, batch, metrics: dict):
         batch = super()._compute_advantage(batch, metrics)
@@ -84,6 +92,9 @@ class HeteroMixin:
 
         lags = response_lags(batch.keys, batch.tags, learner_version=self.global_steps - 1)
         metrics.update(self._throughput_metrics(batch))
+        sync = self._weight_sync()
+        if sync is not None:  # this step's view: alive groups, failures and replacements so far
+            metrics.update(sync.roster.metrics())
         fields = TensorDict({RESPONSE_LAG: torch.as_tensor(lags, dtype=torch.float32)}, batch_size=len(batch))
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
 
@@ -94,16 +105,17 @@ class HeteroMixin:
         return batch
 
     def _server_groups(self) -> dict[str, str]:
-        """Rollout server address -> sampler group label (``learner`` for the hybrid replicas on the learner)."""
-        if getattr(self, "_server_group_map", None) is None:
-            replicas = list(self.standalone_server_manager.get_replicas())
-            sizes = self.hetero_settings.group_sizes(len(replicas))
-            labels = [str(index) for index, size in enumerate(sizes) for _ in range(size)]
-            mapping = {replica.server_address: label for replica, label in zip(replicas, labels, strict=True)}
-            for address in getattr(self.llm_server_manager, "server_addresses", []) or []:
-                mapping.setdefault(address, "learner")
-            self._server_group_map = mapping
-        return self._server_group_map
+        """Rollout server address -> sampler group label (``learner`` for the hybrid replicas on the learner).
+
+        Addresses of retired replicas stay: their rollouts finished before the loss may still be trained."""
+        mapping = getattr(self, "_server_group_map", None) or {}
+        sync = self._weight_sync()
+        for replica_id, replica in sync.members.items() if sync is not None else ():
+            mapping[replica.server_address] = str(sync.roster.group_of[replica_id])
+        for address in getattr(self.llm_server_manager, "server_addresses", []) or []:
+            mapping.setdefault(address, "learner")
+        self._server_group_map = mapping
+        return mapping
 
     def _throughput_metrics(self, batch) -> dict[str, float]:
         """Trained trajectories and response tokens per sampler group, per second since the last step.
@@ -143,11 +155,20 @@ class HeteroMixin:
         return out
 
     def hetero_state(self) -> dict:
-        """What ``hetero.json`` holds: the replay buffer's books and queued versions."""
-        return {"global_steps": self.global_steps, "replay_buffer": self._hetero_buffer().state_dict()}
+        """What ``hetero.json`` holds: the replay buffer's books and queued versions, and the sampler failures and
+        replacements."""
+        sync = self._weight_sync()
+        samplers = sync.roster.state_dict() if sync is not None else getattr(self, "_resumed_sampler_books", {})
+        return {
+            "global_steps": self.global_steps,
+            "replay_buffer": self._hetero_buffer().state_dict(),
+            "samplers": samplers,
+        }
 
     def load_hetero_state(self, state: dict) -> None:
         self._hetero_buffer().load_state_dict(state["replay_buffer"])
+        # verl loads the checkpoint before it starts the samplers: the weight sync takes these books when it is built
+        self._resumed_sampler_books = state.get("samplers", {})
 
     def _save_checkpoint(self):
         super()._save_checkpoint()

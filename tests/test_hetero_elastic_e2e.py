@@ -1,0 +1,148 @@
+"""Elastic samplers through verl's real separate_async trainer on CPU: a sampler dies, hangs, is replaced, and
+all are lost. The failures are real (the rollout server's Ray actor is killed, or its event loop blocked) and come
+from outside the run (tests/chaos.py), as from a failing machine; nothing in the run is mocked or hooked."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+from chaos import act, hetero_overrides, ray_cluster, read_metrics, start_run, wait_for_step, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+
+LEARNERS, SAMPLERS, MAX_LAG = 2, 2, 2
+INTERVAL_S = 1.0
+
+
+def _books_balance(m: dict) -> bool:
+    return m["hetero/produced"] == m["hetero/trained"] + m["hetero/dropped"] + m["hetero/queued"]
+
+
+def _failed(kind: str):
+    """A condition on the logged metrics: a sampler failure of ``kind`` has been counted."""
+    return lambda logged: any(m.get(f"hetero/sampler_failures/{kind}", 0) >= 1 for m in logged.values())
+
+
+def _finish(process, log, timeout_s: float = 900) -> str:
+    process.wait(timeout=timeout_s)
+    return log.read_text()
+
+
+def _step_times(metrics: dict[int, dict]) -> list[float]:
+    return [round(m["timing_s/step"], 1) for _, m in sorted(metrics.items()) if "timing_s/step" in m]
+
+
+def _check_every_step(metrics: dict[int, dict]) -> None:
+    for step, m in sorted(metrics.items()):
+        if "hetero/produced" in m:
+            assert _books_balance(m), (step, m)
+            assert m["hetero/lag/max"] <= MAX_LAG, (step, m["hetero/lag/max"])
+
+
+def test_a_dead_sampler_is_retired_and_training_finishes(tiny, tmp_path):
+    steps, kill_after = 60, 3
+    overrides = [
+        *hetero_overrides(tiny, tmp_path, steps, "{address}", SAMPLERS),
+        f"hetero.health.interval_s={INTERVAL_S}",
+    ]
+    with ray_cluster(cpus=32, gpus=LEARNERS + SAMPLERS) as address:
+        process, metrics_file, log = start_run([o.format(address=address) for o in overrides], tmp_path / "run")
+        wait_for_step(process, metrics_file, kill_after)
+        act(address, sampler=1, action="kill")
+        killed_at = max(read_metrics(metrics_file))
+        wait_until(process, metrics_file, _failed("died"), "the dead sampler's retirement")
+        text = _finish(process, log)
+    metrics = read_metrics(metrics_file)
+    assert process.returncode == 0, text[-4000:]
+    assert sorted(metrics) == list(range(1, steps + 1))
+    _check_every_step(metrics)
+    last = metrics[steps]
+    assert last["hetero/sampler_failures"] == 1 and last["hetero/sampler_failures/died"] == 1
+    assert last["hetero/sampler_group_1/alive"] == 0 and last["hetero/sampler_group_0/alive"] == 1
+    assert last["hetero/sampler_detect_s/last"] <= 2 * INTERVAL_S + 1.0
+    assert "retired sampler replica 1 of group 1 (died" in text
+    # after the loss every trained trajectory comes from the sampler left
+    for step in (steps - 1, steps):
+        assert metrics[step].get("hetero/sampler_group_1/trained_trajectories", 0) == 0
+        assert metrics[step]["hetero/sampler_group_0/trained_trajectories"] > 0
+    # the failure and the failed groups survive in hetero.json
+    state = json.loads((tmp_path / "checkpoints" / f"global_step_{steps}" / "hetero.json").read_text())
+    assert [f["kind"] for f in state["samplers"]["failures"]] == ["died"]
+    assert state["replay_buffer"]["ledger"]["dropped"].get("failed", 0) == last["hetero/dropped/failed"]
+    failed_step = min(s for s, m in metrics.items() if m.get("hetero/sampler_failures", 0) == 1)
+    print(
+        f"\n[elastic] killed after step {killed_at}; retired by step {failed_step}; detection "
+        f"{last['hetero/sampler_detect_s/last']:.1f} s; failed groups {last['hetero/dropped/failed']:.0f}; step "
+        f"times {_step_times(metrics)} s"
+    )
+
+
+def test_a_hung_sampler_is_detected_within_the_timeout_then_losing_all_stops_the_run(tiny, tmp_path):
+    timeout_s, hang_after, steps_after = 6.0, 3, 3
+    overrides = [
+        *hetero_overrides(tiny, tmp_path, 200, "{address}", SAMPLERS),
+        f"hetero.health.interval_s={INTERVAL_S}",
+        f"hetero.health.timeout_s={timeout_s}",
+    ]
+    with ray_cluster(cpus=32, gpus=LEARNERS + SAMPLERS) as address:
+        process, metrics_file, log = start_run([o.format(address=address) for o in overrides], tmp_path / "run")
+        wait_for_step(process, metrics_file, hang_after)
+        act(address, sampler=1, action="hang")
+        retired = wait_until(process, metrics_file, _failed("hung"), "the hung sampler's retirement")
+        wait_for_step(process, metrics_file, max(retired) + steps_after)  # training goes on with one sampler
+        act(address, sampler=0, action="kill")
+        lost_all = time.monotonic()
+        text = _finish(process, log, timeout_s=300)
+        stopped_after = time.monotonic() - lost_all
+    metrics = read_metrics(metrics_file)
+    _check_every_step(metrics)
+    hung = [m for m in metrics.values() if m.get("hetero/sampler_failures/hung", 0) == 1]
+    assert hung, "the hung sampler was never retired"
+    assert hung[0]["hetero/sampler_detect_s/last"] <= timeout_s + 2 * INTERVAL_S
+    assert hung[0]["hetero/sampler_group_1/alive"] == 0
+
+    # every sampler lost: a clear error, soon, and no further step
+    assert process.returncode != 0
+    assert "NoSamplerLeft" in text and "every sampler is lost" in text
+    assert stopped_after < 120, stopped_after
+    print(
+        f"\n[elastic] hang detected after {hung[0]['hetero/sampler_detect_s/last']:.1f} s; run stopped "
+        f"{stopped_after:.0f} s after the last sampler died; step times {_step_times(metrics)} s"
+    )
+
+
+def test_a_replacement_rejoins_with_the_learners_weights_and_its_rollouts_are_trained(tiny, tmp_path):
+    steps, kill_after = 60, 3
+    overrides = [
+        *hetero_overrides(tiny, tmp_path, steps, "{address}", SAMPLERS),
+        f"hetero.health.interval_s={INTERVAL_S}",
+        "hetero.replace_failed=true",
+    ]
+    with ray_cluster(cpus=32, gpus=LEARNERS + SAMPLERS) as address:
+        process, metrics_file, log = start_run([o.format(address=address) for o in overrides], tmp_path / "run")
+        wait_for_step(process, metrics_file, kill_after)
+        act(address, sampler=1, action="kill")
+        text = _finish(process, log)
+    metrics = read_metrics(metrics_file)
+    assert process.returncode == 0, text[-4000:]
+    _check_every_step(metrics)
+    last = metrics[steps]
+    assert last["hetero/sampler_failures"] == 1 and last["hetero/sampler_replacements"] == 1
+    assert last["hetero/sampler_group_1/alive"] == 1
+    joined = re.search(
+        r"replica \d+ \(rank \d+\) replaces a lost one in sampler group 1 with weight version (\d+)", text
+    )
+    assert joined, text[-4000:]
+    version = int(joined.group(1))
+    joined_step = min(s for s, m in metrics.items() if m.get("hetero/sampler_replacements", 0) == 1)
+    # the learner's current version at the join: the version published at the end of the step before
+    assert version in (joined_step - 1, joined_step), (version, joined_step)
+    after = [m.get("hetero/sampler_group_1/trained_trajectories", 0) for s, m in metrics.items() if s > joined_step]
+    assert sum(after) > 0, "the replacement's rollouts were never trained"
+    print(
+        f"\n[elastic] replacement joined at step {joined_step} with version {version}; group 1 trained "
+        f"{after} trajectories afterwards; step times {_step_times(metrics)} s"
+    )
