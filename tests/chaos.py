@@ -79,6 +79,7 @@ def ray_cluster(cpus: int, gpus: int):
             f"--temp-dir={temp_dir}",
         ],
         env={**os.environ, **CLUSTER_ENV},
+        cwd=temp_dir,  # the run's actors start here: nothing they write by default lands in the repository
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
