@@ -231,13 +231,19 @@ def run_cpu_training(
         text=True,
         timeout=timeout_s,
     )
+    return result.returncode, read_metrics(metrics_file), result.stdout + result.stderr
+
+
+def read_metrics(path: str | Path) -> dict[int, dict]:
+    """The metrics verl's ``file`` tracker backend wrote (one JSON line per step), merged per step."""
+    path = Path(path)
     metrics: dict[int, dict] = {}
-    if metrics_file.exists():
-        for line in metrics_file.read_text().splitlines():
+    if path.exists():
+        for line in path.read_text().splitlines():
             if line.strip():
                 record = json.loads(line)
                 metrics.setdefault(int(record["step"]), {}).update(record["data"])
-    return result.returncode, metrics, result.stdout + result.stderr
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,6 @@ never answers again). Each action runs in a short-lived driver process, so the t
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -20,7 +19,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from gepo_plugin.tiny import cpu_run_overrides
+from gepo_plugin.tiny import cpu_run_overrides, read_metrics
 
 #: What a driver runs against a server actor: ``kill`` ends its process; ``hang`` blocks its event loop for an
 #: hour (the CPU server's loop is reachable through its scheduler task), so it neither answers nor dies.
@@ -156,16 +155,6 @@ def start_run(overrides: list[str], workdir: Path) -> tuple[subprocess.Popen, Pa
         text=True,
     )
     return process, metrics, log
-
-
-def read_metrics(path: Path) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                out.setdefault(int(record["step"]), {}).update(record["data"])
-    return out
 
 
 def wait_until(process: subprocess.Popen, metrics: Path, done, what: str, timeout_s: float = 600) -> dict[int, dict]:
