@@ -21,12 +21,13 @@ from pathlib import Path
 
 from gepo_plugin.tiny import cpu_run_overrides, read_metrics
 
-#: What a driver runs against a server actor: ``kill`` ends its process; ``hang`` blocks its event loop for an
-#: hour (the CPU server's loop is reachable through its scheduler task), so it neither answers nor dies.
+#: What a driver runs against a server actor, once the server is mid-generation (so the failure hits requests in
+#: flight, as a machine failing under load would): ``hang`` blocks its event loop for an hour (the CPU server's loop
+#: is reachable through its scheduler task), so it neither answers nor dies; ``kill`` blocks it too, so the requests
+#: it is working on cannot be answered in the meantime, then ends its process.
 _ACTIONS = {
-    "kill": "ray.kill(handle, no_restart=True)",
-    "hang": "ray.get(handle.__ray_call__.remote(lambda server: "
-    "server._scheduler_task.get_loop().call_soon_threadsafe(time.sleep, 3600) and None))",
+    "kill": "time.sleep(0.2); ray.kill(handle, no_restart=True)",
+    "hang": "pass",
 }
 
 _DRIVER = """
@@ -39,6 +40,18 @@ names = sorted(
 print("servers:", [n for n, _ in names])
 name, namespace = names[int(sys.argv[2])]
 handle = ray.get_actor(name, namespace=namespace)
+
+def freeze_when_busy(server):
+    if not (server._pending or server._running):
+        return False
+    server._scheduler_task.get_loop().call_soon_threadsafe(time.sleep, 3600)
+    return True
+
+deadline = time.monotonic() + 60
+while not ray.get(handle.__ray_call__.remote(freeze_when_busy)):
+    if time.monotonic() > deadline:
+        sys.exit(f"no request in flight on {{name}} within 60 s")
+    time.sleep(0.01)
 {action}
 print("done", sys.argv[3], name)
 """
@@ -104,7 +117,7 @@ def ray_cluster(cpus: int, gpus: int):
 
 def act(address: str, sampler: int, action: str) -> str:
     """Kill (``kill``) or hang (``hang``) the rollout server of sampler ``sampler`` (servers in rank order, one
-    replica per sampler group); returns the driver's output."""
+    replica per sampler group) while it is generating; returns the driver's output."""
     script = _DRIVER.format(action=_ACTIONS[action])
     done = subprocess.run(
         [sys.executable, "-c", script, address, str(sampler), action],

@@ -42,8 +42,8 @@ def _check_every_step(metrics: dict[int, dict]) -> None:
             assert m["hetero/lag/max"] <= MAX_LAG, (step, m["hetero/lag/max"])
 
 
-def test_a_dead_sampler_is_retired_and_training_finishes(tiny, tmp_path):
-    steps, kill_after = 60, 3
+def test_a_dead_sampler_is_retired_training_finishes_and_the_books_survive_a_resume(tiny, tmp_path):
+    steps, kill_after, resumed_steps = 24, 2, 4
     overrides = [
         *hetero_overrides(tiny, tmp_path, steps, "{address}", SAMPLERS),
         f"hetero.health.interval_s={INTERVAL_S}",
@@ -55,8 +55,15 @@ def test_a_dead_sampler_is_retired_and_training_finishes(tiny, tmp_path):
         killed_at = max(read_metrics(metrics_file))
         wait_until(process, metrics_file, _failed("died"), "the dead sampler's retirement")
         text = _finish(process, log)
+        assert process.returncode == 0, text[-4000:]
+        # the same run resumed from its last checkpoint, in the same cluster: every configured sampler starts again
+        resume = [
+            o.replace(f"total_training_steps={steps}", f"total_training_steps={steps + resumed_steps}")
+            for o in overrides
+        ]
+        process2, resumed_file, log2 = start_run([o.format(address=address) for o in resume], tmp_path / "resume")
+        text2 = _finish(process2, log2)
     metrics = read_metrics(metrics_file)
-    assert process.returncode == 0, text[-4000:]
     assert sorted(metrics) == list(range(1, steps + 1))
     _check_every_step(metrics)
     last = metrics[steps]
@@ -64,6 +71,8 @@ def test_a_dead_sampler_is_retired_and_training_finishes(tiny, tmp_path):
     assert last["hetero/sampler_group_1/alive"] == 0 and last["hetero/sampler_group_0/alive"] == 1
     assert last["hetero/sampler_detect_s/last"] <= 2 * INTERVAL_S + 1.0
     assert "retired sampler replica 1 of group 1 (died" in text
+    # killed mid-generation: the groups it was working on failed, and were counted
+    assert last["hetero/dropped/failed"] >= 1, last
     # after the loss every trained trajectory comes from the sampler left
     for step in (steps - 1, steps):
         assert metrics[step].get("hetero/sampler_group_1/trained_trajectories", 0) == 0
@@ -71,12 +80,28 @@ def test_a_dead_sampler_is_retired_and_training_finishes(tiny, tmp_path):
     # the failure and the failed groups survive in hetero.json
     state = json.loads((tmp_path / "checkpoints" / f"global_step_{steps}" / "hetero.json").read_text())
     assert [f["kind"] for f in state["samplers"]["failures"]] == ["died"]
-    assert state["replay_buffer"]["ledger"]["dropped"].get("failed", 0) == last["hetero/dropped/failed"]
+    assert state["replay_buffer"]["ledger"]["dropped"]["failed"] == last["hetero/dropped/failed"]
     failed_step = min(s for s, m in metrics.items() if m.get("hetero/sampler_failures", 0) == 1)
+
+    # the resume: the books go on from the checkpoint, with both samplers serving again
+    assert process2.returncode == 0, text2[-4000:]
+    resumed = read_metrics(resumed_file)
+    assert sorted(resumed) == list(range(steps + 1, steps + resumed_steps + 1))
+    _check_every_step(resumed)
+    first, end = resumed[steps + 1], resumed[steps + resumed_steps]
+    assert first["hetero/sampler_failures"] == 1 and first["hetero/sampler_failures/died"] == 1
+    assert first["hetero/sampler_group_1/alive"] == 1 and first["hetero/sampler_replicas_alive"] == SAMPLERS
+    assert first["hetero/dropped/failed"] >= last["hetero/dropped/failed"]
+    assert first["hetero/produced"] > last["hetero/produced"]
+    assert sum(m.get("hetero/sampler_group_1/trained_trajectories", 0) for m in resumed.values()) > 0
+    state = json.loads((tmp_path / "checkpoints" / f"global_step_{steps + resumed_steps}" / "hetero.json").read_text())
+    assert [f["kind"] for f in state["samplers"]["failures"]] == ["died"]
+    assert state["replay_buffer"]["ledger"]["dropped"]["failed"] == end["hetero/dropped/failed"]
     print(
         f"\n[elastic] killed after step {killed_at}; retired by step {failed_step}; detection "
         f"{last['hetero/sampler_detect_s/last']:.1f} s; failed groups {last['hetero/dropped/failed']:.0f}; step "
-        f"times {_step_times(metrics)} s"
+        f"times {_step_times(metrics)} s; resumed {resumed_steps} steps with both samplers, failed groups "
+        f"{end['hetero/dropped/failed']:.0f}"
     )
 
 
@@ -101,6 +126,7 @@ def test_a_hung_sampler_is_detected_within_the_timeout_then_losing_all_stops_the
     _check_every_step(metrics)
     hung = [m for m in metrics.values() if m.get("hetero/sampler_failures/hung", 0) == 1]
     assert hung, "the hung sampler was never retired"
+    assert max(m["hetero/dropped/failed"] for m in metrics.values()) >= 1  # it hung mid-generation
     assert hung[0]["hetero/sampler_detect_s/last"] <= timeout_s + 2 * INTERVAL_S
     assert hung[0]["hetero/sampler_group_1/alive"] == 0
 
@@ -115,7 +141,7 @@ def test_a_hung_sampler_is_detected_within_the_timeout_then_losing_all_stops_the
 
 
 def test_a_replacement_rejoins_with_the_learners_weights_and_its_rollouts_are_trained(tiny, tmp_path):
-    steps, kill_after = 60, 3
+    steps, kill_after = 40, 2
     overrides = [
         *hetero_overrides(tiny, tmp_path, steps, "{address}", SAMPLERS),
         f"hetero.health.interval_s={INTERVAL_S}",
@@ -142,6 +168,8 @@ def test_a_replacement_rejoins_with_the_learners_weights_and_its_rollouts_are_tr
     assert version in (joined_step - 1, joined_step), (version, joined_step)
     after = [m.get("hetero/sampler_group_1/trained_trajectories", 0) for s, m in metrics.items() if s > joined_step]
     assert sum(after) > 0, "the replacement's rollouts were never trained"
+    # it started in the background: the learner logged steps while it was starting
+    assert any(m.get("hetero/sampler_replacements/starting", 0) == 1 for m in metrics.values())
     print(
         f"\n[elastic] replacement joined at step {joined_step} with version {version}; group 1 trained "
         f"{after} trajectories afterwards; step times {_step_times(metrics)} s"

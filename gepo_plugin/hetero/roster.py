@@ -3,13 +3,15 @@
 A sampler group is a set of rollout replicas that share one network path to the learner (one delay model). A
 replica that died or hung is *retired*: it leaves its group, and a group with no replica left is no longer live
 (its weight schedule stops, :meth:`WeightArrivalSchedule.retire`). A replacement replica *joins* a group. The
-roster counts every failure and replacement; the counters and the log of failures are saved in ``hetero.json``
-and continue across a resume (a resumed run starts every configured replica afresh, so membership itself is not
+roster counts every failure and replacement, and the replacements still starting (a group whose replacement is
+starting is not given up on); the counters and the log of failures are saved in ``hetero.json`` and continue across
+a resume (a resumed run starts every configured replica afresh, so membership itself is not
 restored).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -46,6 +48,8 @@ class SamplerRoster:
             self.group_of.update(dict.fromkeys(members, group))
         self.failures: list[FailureRecord] = []
         self.replacements = 0
+        #: group -> replacements started for it that have neither joined nor failed yet
+        self.starting: Counter[int] = Counter()
 
     @property
     def next_replica(self) -> int:
@@ -69,17 +73,32 @@ class SamplerRoster:
         self.failures.append(FailureRecord(group, replica, kind, int(learner_version), float(detect_s)))
         return not self.groups[group]
 
+    def begin_replacement(self, group: int) -> None:
+        """A replacement for ``group`` started; it joins (:meth:`join`) or fails (:meth:`abandon_replacement`)."""
+        self.starting[group] += 1
+
+    def abandon_replacement(self, group: int) -> None:
+        """A replacement for ``group`` could not start."""
+        self._end_replacement(group)
+
     def join(self, group: int) -> int:
         """A replacement replica joins ``group``; returns its id."""
+        self._end_replacement(group)
         replica = self.next_replica
         self.groups[group].add(replica)
         self.group_of[replica] = group
         self.replacements += 1
         return replica
 
+    def _end_replacement(self, group: int) -> None:
+        if self.starting[group] <= 0:
+            raise ValueError(f"no replacement is starting for sampler group {group}")
+        self.starting[group] -= 1
+
     def require_any(self) -> None:
-        """Raise :class:`NoSamplerLeft` (naming what was lost) when no group has a replica."""
-        if self.live_groups():
+        """Raise :class:`NoSamplerLeft` (naming what was lost) when no group has a replica and no replacement is
+        starting."""
+        if self.live_groups() or sum(self.starting.values()):
             return
         lost = ", ".join(f"replica {f.replica} of group {f.group} {f.kind}" for f in self.failures[-8:])
         raise NoSamplerLeft(
@@ -92,6 +111,7 @@ class SamplerRoster:
         out = {
             f"{prefix}sampler_failures": float(len(self.failures)),
             f"{prefix}sampler_replacements": float(self.replacements),
+            f"{prefix}sampler_replacements/starting": float(sum(self.starting.values())),
             f"{prefix}sampler_replicas_alive": float(sum(len(members) for members in self.groups)),
         }
         for kind in FAILURES:

@@ -3,11 +3,15 @@
 The replacement is a new replica of verl's own class (``LLMServerManager.rollout_replica_class``), started the way
 verl starts standalone replicas (``init_standalone``: its own placement group and rollout workers, then its
 servers). It needs an unused ``replica_rank`` (actor names such as ``<rollout>_server_{rank}_0`` and the pool
-``rollout_pool_{rank}`` are fixed) and free devices (the lost replica's placement group was released). Before it
-takes any request it installs the weights its sampler group holds: the learner's current version when the group
-had no replica left (the group rejoins the weight schedule with it), else the group's version, so every replica
-of a group samples with the same weights. Then it joins its group's weight sync, the health monitor and verl's
-load balancer.
+``rollout_pool_{rank}`` are fixed) and free devices (the lost replica's placement group was released).
+
+Starting takes as long as loading a model (seconds on CPU, minutes for a large model on GPUs), so it runs in a
+background thread while the learner trains (:class:`ReplacementStarter`). Once started, the learner admits it at a
+safe point, when the actor holds exactly the weights the schedule calls the newest (after a step's publish, or
+while it waits for data): it installs the weights its sampler group holds (the learner's current version when the
+group had no replica left, and the group rejoins the weight schedule with it; else the group's version, so every
+replica of a group samples with the same weights), and only then joins its group's weight sync, the health monitor
+and verl's load balancer.
 """
 
 from __future__ import annotations
@@ -15,13 +19,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import ray
+from ray.exceptions import RayError
 from verl.checkpoint_engine import CheckpointEngineManager
 from verl.utils.ray_utils import auto_await
 
+from gepo_plugin.verl_glue.hetero.replicas import fence, release_resources
+
 logger = logging.getLogger(__name__)
+
+#: How long a replacement waits for the lost replica's devices to come free before it gives up.
+DEVICE_WAIT_S = 60.0
 
 
 @auto_await
@@ -29,7 +40,7 @@ async def _start(replica) -> None:
     await replica.init_standalone()
 
 
-def wait_for_devices(needed: int, timeout_s: float = 60.0) -> bool:
+def wait_for_devices(needed: int, timeout_s: float = DEVICE_WAIT_S) -> bool:
     """Wait until the cluster has ``needed`` free accelerators (Ray frees a removed placement group's devices a
     moment later, and verl's pool creation refuses to start short of them)."""
     deadline = time.monotonic() + timeout_s
@@ -49,15 +60,12 @@ def next_rank(sync: Any) -> int:
     return sync.highest_rank
 
 
-def replace(sync: Any, group: int, snapshot_key: Callable[[int], str]) -> int | None:
-    """Start a replica for sampler ``group``, install its weights and let it serve; returns its roster id.
+def launch(manager: Any, rank: int, group: int) -> Any | None:
+    """Create and start a replica of rank ``rank`` (background thread; touches nothing the learner uses).
 
-    ``sync`` is the run's ``DelayedWeightSync`` (its groups, roster, schedule and snapshots, whose keys
-    ``snapshot_key`` gives). Returns None, with a warning, when the devices did not come free: training goes on
-    with the samplers left."""
-    manager, schedule = sync.server_manager, sync.schedule
+    Returns None, with a warning, when the devices did not come free."""
     replica = manager.rollout_replica_class(
-        replica_rank=next_rank(sync),
+        replica_rank=rank,
         config=manager.rollout_config,
         model_config=manager.model_config,
         gpus_per_node=manager.rollout_config.n_gpus_per_node,
@@ -69,15 +77,74 @@ def replace(sync: Any, group: int, snapshot_key: Callable[[int], str]) -> int | 
             group,
         )
         return None
-    _start(replica)
+    try:
+        _start(replica)
+    except BaseException:
+        fence(replica)  # whatever of it started: its actors and its devices
+        release_resources(replica)
+        raise
+    return replica
+
+
+class ReplacementStarter:
+    """Replacements being started in a background thread, admitted by the learner's thread when ready."""
+
+    def __init__(self, sync: Any, snapshot_key: Callable[[int], str]) -> None:
+        self.sync = sync
+        self.snapshot_key = snapshot_key
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gepo-hetero-replacement")
+        self._starting: list[tuple[Future, int]] = []
+
+    def start(self, group: int) -> None:
+        """Start a replacement for sampler ``group`` (learner's thread; returns at once)."""
+        rank = next_rank(self.sync)
+        self.sync.roster.begin_replacement(group)
+        self._starting.append((self._pool.submit(launch, self.sync.server_manager, rank, group), group))
+        logger.warning("hetero: starting a replacement (rank %d) for sampler group %d", rank, group)
+
+    def admit_ready(self) -> list[int]:
+        """Admit every replacement that has started (learner's thread, at a safe point); returns their ids."""
+        ready, waiting = [], []
+        for entry in self._starting:  # one look at each future: one that finishes meanwhile waits for the next call
+            (ready if entry[0].done() else waiting).append(entry)
+        self._starting = waiting
+        joined = []
+        for future, group in ready:
+            try:
+                replica = future.result()
+            except Exception:
+                logger.exception("hetero: a replacement for sampler group %d failed to start", group)
+                replica = None
+            member = admit(self.sync, group, replica, self.snapshot_key) if replica is not None else None
+            if member is None:
+                self.sync.roster.abandon_replacement(group)
+            else:
+                joined.append(member)
+        return joined
+
+
+def admit(sync: Any, group: int, replica: Any, snapshot_key: Callable[[int], str]) -> int | None:
+    """Install sampler ``group``'s weights on a started ``replica`` and let it serve; returns its roster id, or
+    None (the replica stopped and freed) when it was lost before it could take its weights.
+
+    ``sync`` is the run's ``DelayedWeightSync`` (its groups, roster, schedule and snapshots, whose keys
+    ``snapshot_key`` gives). Call it only while the actor holds the schedule's newest version."""
+    manager, schedule = sync.server_manager, sync.schedule
     rejoining = not sync.roster.alive(group)
     version = schedule.latest if rejoining else schedule.held[group]
     installer = CheckpointEngineManager(sync.config, sync.actor_wg, [replica])
     if version != schedule.latest:
         sync.actor_wg.restore_model_from_cpu(snapshot_key(version))
-    installer.update_weights(version)
-    if version != schedule.latest:
-        sync.actor_wg.restore_model_from_cpu(snapshot_key(schedule.latest))
+    try:
+        installer.update_weights(version)
+    except RayError:
+        logger.exception("hetero: a replacement for sampler group %d was lost before it took its weights", group)
+        fence(replica)
+        release_resources(replica)
+        return None
+    finally:
+        if version != schedule.latest:
+            sync.actor_wg.restore_model_from_cpu(snapshot_key(schedule.latest))
     if group in sync.paused:
         installer.abort_replicas()  # its group waits for newer weights (admission control)
     member = sync.roster.join(group)

@@ -32,9 +32,10 @@ requests pinned to a hung server fail instead of waiting forever) and leaves ver
 request reaches it; its groups in flight fail and the replay buffer counts them as ``failed``. At the next safe
 point of the learner's thread (the step end, or while it waits for data) it leaves its group's weight sync, a
 group without replicas leaves the weight schedule, and with ``hetero.replace_failed`` a replacement replica starts
-(:mod:`~gepo_plugin.verl_glue.hetero.replacement`). With no sampler left the run stops with
-:class:`~gepo_plugin.hetero.roster.NoSamplerLeft`. A weight install that fails because a replica was lost is
-retried on the replicas left.
+in the background (:mod:`~gepo_plugin.verl_glue.hetero.replacement`). It is admitted at a later safe point (after
+the step's publish, or while the learner waits for data: the actor then holds the newest version). With no sampler
+left and none starting, the run stops with :class:`~gepo_plugin.hetero.roster.NoSamplerLeft`. A weight install
+that fails because a replica was lost is retried on the replicas left.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.hetero.weight_schedule import Delivery, WeightArrivalSchedule
 from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.hetero.health import HealthMonitor, probe
+from gepo_plugin.verl_glue.hetero.replacement import ReplacementStarter
+from gepo_plugin.verl_glue.hetero.replicas import fence, forget_replica, release_resources
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +108,9 @@ class DelayedWeightSync:
             for replica, member in self.members.items():
                 self.monitor.watch(replica, member.servers)
             self.monitor.start()
+        self.replacements: ReplacementStarter | None = None
+        if settings.config.replace_failed and server_manager is not None:
+            self.replacements = ReplacementStarter(self, snapshot_key)
         kind = "simulated weight delay" if settings.simulates_delay else "no weight delay"
         logger.info("hetero: %d sampler group(s) of sizes %s with %s", len(sizes), list(sizes), kind)
 
@@ -129,6 +135,7 @@ class DelayedWeightSync:
             due = self.schedule.publish(version, now)
             self._save(version)  # the actor holds `version` now
             self._install(due)
+        self._admit_replacements()
         self._admit(version)
         self.version_floors[version + 1] = self.schedule.oldest_held()
         return self.metrics(version)
@@ -141,7 +148,17 @@ class DelayedWeightSync:
         due = self.schedule.advance(self.clock())
         if due:
             self._install(due)
+        if due or self._admit_replacements():
             self._admit(self.schedule.latest)
+
+    def _admit_replacements(self) -> list[int]:
+        """Let the replacements that have started serve (only while the actor holds the newest version); stop the
+        run when the last one failed to start and no sampler is left."""
+        if self.replacements is None:
+            return []
+        joined = self.replacements.admit_ready()
+        self.roster.require_any()
+        return joined
 
     # --------------------------------------------------------------- lost samplers
     def report_lost(self, replica: int, kind: str, detect_s: float) -> None:
@@ -185,11 +202,9 @@ class DelayedWeightSync:
             self.paused.discard(group)
             if self.schedule is not None:
                 self.schedule.retire(group)
-        if lost and self.settings.config.replace_failed and self.server_manager is not None:
-            from gepo_plugin.verl_glue.hetero.replacement import replace
-
+        if self.replacements is not None:
             for replica, _, _ in lost:
-                replace(self, self.roster.group_of[replica], snapshot_key)
+                self.replacements.start(self.roster.group_of[replica])
         self.roster.require_any()
 
     def _push(self, group: int, version: int) -> None:
@@ -287,33 +302,3 @@ class DelayedWeightSync:
         out["hetero/weight_snapshots"] = float(len(self.snapshots))
         out["hetero/oldest_sampler_version"] = float(self.schedule.oldest_held())
         return out
-
-
-def fence(replica: Any) -> None:
-    """Kill a lost replica's Ray actors (servers and rollout workers): calls pinned to it fail at once."""
-    for handle in [*replica.servers, *replica.workers]:
-        try:
-            ray.kill(handle, no_restart=True)
-        except Exception as error:  # already gone
-            logger.debug("hetero: kill of a lost replica's actor: %r", error)
-
-
-def forget_replica(manager: Any, replica: Any) -> None:
-    """Take a retired replica out of verl's standalone ``LLMServerManager`` lists (public attributes)."""
-    if replica in manager.rollout_replicas:
-        index = manager.rollout_replicas.index(replica)
-        del manager.rollout_replicas[index]
-        if index < len(manager.server_handles):
-            del manager.server_handles[index]
-        if index < len(manager.server_addresses):
-            del manager.server_addresses[index]
-
-
-def release_resources(replica: Any) -> None:
-    """Free a retired replica's placement groups, so a replacement (or anything else) can use its devices."""
-    pool = getattr(replica, "resource_pool", None)
-    for group in getattr(pool, "pgs", None) or []:
-        try:
-            ray.util.remove_placement_group(group)
-        except Exception as error:
-            logger.debug("hetero: removing a lost replica's placement group: %r", error)

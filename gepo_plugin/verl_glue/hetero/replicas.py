@@ -1,0 +1,41 @@
+"""What the plugin does to a lost or new verl ``RolloutReplica``: stop it, take it out of verl's lists, free its
+devices (public attributes and Ray calls only)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+def fence(replica: Any) -> None:
+    """Kill a lost replica's Ray actors (servers and rollout workers): calls pinned to it fail at once."""
+    for handle in [*replica.servers, *replica.workers]:
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception as error:  # already gone
+            logger.debug("hetero: kill of a lost replica's actor: %r", error)
+
+
+def forget_replica(manager: Any, replica: Any) -> None:
+    """Take a retired replica out of verl's standalone ``LLMServerManager`` lists (public attributes)."""
+    if replica in manager.rollout_replicas:
+        index = manager.rollout_replicas.index(replica)
+        del manager.rollout_replicas[index]
+        if index < len(manager.server_handles):
+            del manager.server_handles[index]
+        if index < len(manager.server_addresses):
+            del manager.server_addresses[index]
+
+
+def release_resources(replica: Any) -> None:
+    """Free a retired replica's placement groups, so a replacement (or anything else) can use its devices."""
+    pool = getattr(replica, "resource_pool", None)
+    for group in getattr(pool, "pgs", None) or []:
+        try:
+            ray.util.remove_placement_group(group)
+        except Exception as error:
+            logger.debug("hetero: removing a lost replica's placement group: %r", error)
