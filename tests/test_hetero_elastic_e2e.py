@@ -5,6 +5,7 @@ from outside the run (tests/chaos.py), as from a failing machine; nothing in the
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 
@@ -14,6 +15,7 @@ from chaos import act, hetero_overrides, ray_cluster, read_metrics, start_run, w
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
 LEARNERS, SAMPLERS, MAX_LAG = 2, 2, 2
+PROMPTS, RESPONSES = 4, 4  # per step: cpu_run_overrides' defaults
 INTERVAL_S = 1.0
 
 
@@ -42,10 +44,28 @@ def _check_every_step(metrics: dict[int, dict]) -> None:
             assert m["hetero/lag/max"] <= MAX_LAG, (step, m["hetero/lag/max"])
 
 
-def test_a_dead_sampler_is_retired_training_finishes_and_the_books_survive_a_resume(tiny, tmp_path):
+def _check_hetero_step(step: int, m: dict) -> None:
+    """What every HeteroRL step must show (sampler group 0 gets every weight version at once)."""
+    assert m["hetero/trained"] == PROMPTS * step, (step, m)  # one batch of groups per step, nothing trained twice
+    assert m["hetero/sampler_group_0/weight_version"] == step  # no delay: every version at once
+    assert m["actor/gepo/group_term_present"] == 1.0 and math.isfinite(m["actor/pg_loss"])
+    # GEPO's weight by lag bucket: finalised shares of the step's sequences
+    shares = [v for k, v in m.items() if k.startswith("actor/gepo/iw_by_lag/") and k.endswith("/fraction")]
+    assert shares and sum(shares) == pytest.approx(1.0), m
+    assert not any(k.startswith("actor/gepo/iw_by_lag/") and k.endswith(("/sum", "/sumsq", "/count")) for k in m)
+    # every trained trajectory is attributed to the server that generated it
+    per_group = {k: v for k, v in m.items() if k.endswith("/trained_trajectories")}
+    assert (
+        sum(per_group.values()) == PROMPTS * RESPONSES and "hetero/sampler_group_unknown/trained_trajectories" not in m
+    )
+
+
+def test_a_delayed_sampler_killed_mid_generation_is_retired_and_the_books_survive_a_resume(tiny, tmp_path):
+    """HeteroRL with two samplers, group 1's weights 2 s late; group 1 dies mid-run, the run resumes with both."""
     steps, kill_after, resumed_steps = 24, 2, 4
     overrides = [
         *hetero_overrides(tiny, tmp_path, steps, "{address}", SAMPLERS),
+        "hetero.group_delays=[{{distribution: none}},{{distribution: constant, seconds: 2}}]",  # (str.format)
         f"hetero.health.interval_s={INTERVAL_S}",
     ]
     with ray_cluster(cpus=32, gpus=LEARNERS + SAMPLERS) as address:
@@ -65,7 +85,18 @@ def test_a_dead_sampler_is_retired_training_finishes_and_the_books_survive_a_res
         text2 = _finish(process2, log2)
     metrics = read_metrics(metrics_file)
     assert sorted(metrics) == list(range(1, steps + 1))
+    assert "'trainer_mode': 'gepo_separate_async'" in text and "HeteroReplayBuffer" in text
+    assert "hybrid replicas disabled" in text  # verl's set-up logged it (with flush=True) through the patch
     _check_every_step(metrics)
+    failed_step = min(s for s, m in metrics.items() if m.get("hetero/sampler_failures", 0) == 1)
+    for step, m in metrics.items():
+        _check_hetero_step(step, m)
+    before = {step: m for step, m in metrics.items() if step < failed_step}
+    assert max(m["hetero/lag/max"] for m in metrics.values()) >= 1, "nothing stale was trained: not asynchronous"
+    # before its loss the delayed sampler really trails the learner, and its rollouts are trained
+    assert any(m["hetero/sampler_group_1/weight_version"] < step for step, m in before.items())
+    assert sum(m.get("hetero/sampler_group_1/trained_trajectories", 0) for m in before.values()) > 0
+
     last = metrics[steps]
     assert last["hetero/sampler_failures"] == 1 and last["hetero/sampler_failures/died"] == 1
     assert last["hetero/sampler_group_1/alive"] == 0 and last["hetero/sampler_group_0/alive"] == 1
@@ -76,24 +107,26 @@ def test_a_dead_sampler_is_retired_training_finishes_and_the_books_survive_a_res
     # after the loss every trained trajectory comes from the sampler left
     for step in (steps - 1, steps):
         assert metrics[step].get("hetero/sampler_group_1/trained_trajectories", 0) == 0
-        assert metrics[step]["hetero/sampler_group_0/trained_trajectories"] > 0
-    # the failure and the failed groups survive in hetero.json
+    # the failure, the failed groups and the rest of the books survive in hetero.json
     state = json.loads((tmp_path / "checkpoints" / f"global_step_{steps}" / "hetero.json").read_text())
     assert [f["kind"] for f in state["samplers"]["failures"]] == ["died"]
-    assert state["replay_buffer"]["ledger"]["dropped"]["failed"] == last["hetero/dropped/failed"]
-    failed_step = min(s for s, m in metrics.items() if m.get("hetero/sampler_failures", 0) == 1)
+    ledger = state["replay_buffer"]["ledger"]
+    assert ledger["dropped"]["failed"] == last["hetero/dropped/failed"] and ledger["trained"] == last["hetero/trained"]
+    assert sum(ledger["dropped"].values()) == last["hetero/dropped"]
 
     # the resume: the books go on from the checkpoint, with both samplers serving again
     assert process2.returncode == 0, text2[-4000:]
     resumed = read_metrics(resumed_file)
     assert sorted(resumed) == list(range(steps + 1, steps + resumed_steps + 1))
     _check_every_step(resumed)
+    for step, m in resumed.items():
+        _check_hetero_step(step, m)  # the trained counter continues from the checkpoint
     first, end = resumed[steps + 1], resumed[steps + resumed_steps]
+    assert first["hetero/learner_version"] == steps
     assert first["hetero/sampler_failures"] == 1 and first["hetero/sampler_failures/died"] == 1
     assert first["hetero/sampler_group_1/alive"] == 1 and first["hetero/sampler_replicas_alive"] == SAMPLERS
     assert first["hetero/dropped/failed"] >= last["hetero/dropped/failed"]
     assert first["hetero/produced"] > last["hetero/produced"]
-    assert sum(m.get("hetero/sampler_group_1/trained_trajectories", 0) for m in resumed.values()) > 0
     state = json.loads((tmp_path / "checkpoints" / f"global_step_{steps + resumed_steps}" / "hetero.json").read_text())
     assert [f["kind"] for f in state["samplers"]["failures"]] == ["died"]
     assert state["replay_buffer"]["ledger"]["dropped"]["failed"] == end["hetero/dropped/failed"]

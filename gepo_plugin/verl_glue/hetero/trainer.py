@@ -108,14 +108,14 @@ class HeteroMixin:
         """Rollout server address -> sampler group label (``learner`` for the hybrid replicas on the learner).
 
         Addresses of retired replicas stay: their rollouts finished before the loss may still be trained."""
-        mapping = getattr(self, "_server_group_map", None) or {}
+        live: dict[str, str] = {}
         sync = self._weight_sync()
         for replica_id, replica in sync.members.items() if sync is not None else ():
-            mapping[replica.server_address] = str(sync.roster.group_of[replica_id])
+            live[replica.server_address] = str(sync.roster.group_of[replica_id])
         for address in getattr(self.llm_server_manager, "server_addresses", []) or []:
-            mapping.setdefault(address, "learner")
-        self._server_group_map = mapping
-        return mapping
+            live.setdefault(address, "learner")
+        self._server_group_map = {**(getattr(self, "_server_group_map", None) or {}), **live}
+        return self._server_group_map
 
     def _throughput_metrics(self, batch) -> dict[str, float]:
         """Trained trajectories and response tokens per sampler group, per second since the last step.
@@ -155,20 +155,24 @@ class HeteroMixin:
         return out
 
     def hetero_state(self) -> dict:
-        """What ``hetero.json`` holds: the replay buffer's books and queued versions, and the sampler failures and
-        replacements."""
+        """What ``hetero.json`` holds: the replay buffer's books and queued versions, the sampler failures and
+        replacements, and which sampler group each server address belonged to (groups queued at the checkpoint are
+        attributed to the servers that generated them after a resume, whose servers have new addresses)."""
         sync = self._weight_sync()
         samplers = sync.roster.state_dict() if sync is not None else getattr(self, "_resumed_sampler_books", {})
         return {
             "global_steps": self.global_steps,
             "replay_buffer": self._hetero_buffer().state_dict(),
             "samplers": samplers,
+            "server_groups": dict(self._server_groups()),
         }
 
     def load_hetero_state(self, state: dict) -> None:
         self._hetero_buffer().load_state_dict(state["replay_buffer"])
         # verl loads the checkpoint before it starts the samplers: the weight sync takes these books when it is built
         self._resumed_sampler_books = state.get("samplers", {})
+        # the live servers' addresses take precedence (a new server may reuse an old address)
+        self._server_group_map = dict(state.get("server_groups", {}))
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
