@@ -191,6 +191,9 @@ def cpu_run_overrides(
         "actor_rollout_ref.rollout.agent.num_workers=1",
         f"reward.custom_reward_function.path={paths['reward_path']}",
         "reward.custom_reward_function.name=compute_score",
+        # verl starts 8 reward actors by default; each imports verl and torch, which costs about 30 s of a
+        # 2-core machine's start-up, and one scores this model's 16 trajectories per step without waiting.
+        "reward.num_workers=1",
         f"trainer.n_gpus_per_node={learners}",
         "trainer.nnodes=1",
         f"trainer.total_training_steps={steps}",
