@@ -3,9 +3,12 @@
 A user's command line names a few things (``algorithm.loss=gepo``, ``hetero.enable=true``,
 ``trainer.device=cpu``) that imply many verl settings. The launcher settles them in two passes:
 
-1. **Compose and settle.** Hydra composes the user's command line exactly as it will at run time. The plugin
-   fills in what the named things imply, each only where the user set nothing (:func:`settle`): the loss
-   preset, the HeteroRL wiring, the CPU backend's settings. Then every start-up check runs on the result
+1. **Compose and settle.** Hydra composes the user's command line exactly as it will at run time. The launcher
+   owns the command line: it reads which keys the user set (:func:`explicit_keys`, a
+   :class:`~gepo_plugin.config_tree.UserKeys` every default-filler asks), and the plugin fills in what the named
+   things imply, each only where the user set nothing (:func:`settle`): the loss preset, the trainer mode
+   (decided once, :mod:`gepo_plugin.verl_glue.trainer_mode`), the HeteroRL wiring, the CPU backend's settings.
+   The ``hetero`` block is parsed once and handed on. Then every start-up check runs on the result
    (:func:`gepo_plugin.verl_glue.validation.validate_plugin_config`, the verl internals the run will need,
    and verl's own ``validate_config``). A mistake stops here, with a message naming the key.
 2. **Hand Hydra the truth.** What the plugin filled in becomes ordinary Hydra overrides (:func:`plan_launch`),
@@ -21,11 +24,14 @@ import contextlib
 import copy
 import math
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from gepo_plugin.config_keys import DEVICE, HETERO, HETERO_ENABLE, HYBRID_ENGINE, TRAINER_MODE
+from gepo_plugin.config_tree import UserKeys, leaves
 
 #: Hydra flags that take a value (``--flag value`` or ``--flag=value``).
 FLAGS_WITH_VALUE = frozenset(
@@ -86,14 +92,17 @@ class CommandLine:
         ]
 
 
-def explicit_keys(overrides: Iterable[str]) -> set[str]:
+def explicit_keys(overrides: Iterable[str]) -> UserKeys:
     """Config keys a command line sets (``a.b=1``, ``+a.b=1``, ``++a.b=1``, ``~a.b``; not ``hydra.*``)."""
-    from gepo_plugin.verl_glue.presets import explicit_override_keys
+    keys = set()
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~").strip()
+        if key and not key.startswith("hydra."):
+            keys.add(key)
+    return UserKeys(keys)
 
-    return explicit_override_keys(overrides)
 
-
-def settle(config: DictConfig, explicit: set[str]) -> tuple[DictConfig, list[str]]:
+def settle(config: DictConfig, explicit: UserKeys) -> tuple[DictConfig, list[str]]:
     """The config that will run: a copy of ``config`` with everything the plugin fills in, validated.
 
     Returns the settled copy and the warnings of the checks. Raises
@@ -101,18 +110,22 @@ def settle(config: DictConfig, explicit: set[str]) -> tuple[DictConfig, list[str
     """
     from gepo_plugin.cpu_backend import CPU_PLATFORM
     from gepo_plugin.cpu_backend.activate import check_cpu_run, cpu_run_settings
+    from gepo_plugin.hetero.settings import parse_hetero
     from gepo_plugin.verl_glue.hetero.wiring import apply_hetero
     from gepo_plugin.verl_glue.presets import apply_loss_preset, apply_settings
+    from gepo_plugin.verl_glue.trainer_mode import settle_trainer_mode
     from gepo_plugin.verl_glue.validation import check_device, validate_plugin_config
 
     settled = copy.deepcopy(config)
-    apply_loss_preset(settled, explicit)
-    apply_hetero(settled, explicit)
+    preset = apply_loss_preset(settled, explicit)
+    hetero = parse_hetero(settled.get(HETERO))  # parsed once; everything below is handed this object
+    settle_trainer_mode(settled, group_term=preset is not None and preset.needs_group_term, hetero=hetero.enable)
+    apply_hetero(settled, hetero, explicit)
     check_device(settled)
-    if OmegaConf.select(settled, "trainer.device") == CPU_PLATFORM:
+    if OmegaConf.select(settled, DEVICE) == CPU_PLATFORM:
         apply_settings(settled, cpu_run_settings(settled), explicit)
         check_cpu_run(settled)
-    return settled, validate_plugin_config(settled, explicit)
+    return settled, validate_plugin_config(settled, explicit, hetero)
 
 
 def features_needed(config: DictConfig) -> list[str]:
@@ -121,27 +134,19 @@ def features_needed(config: DictConfig) -> list[str]:
     from gepo_plugin.names import GEPO_TRAINER_FOR_MODE
 
     features = []
-    if OmegaConf.select(config, "trainer.v1.trainer_mode") in GEPO_TRAINER_FOR_MODE.values():
+    if OmegaConf.select(config, TRAINER_MODE) in GEPO_TRAINER_FOR_MODE.values():
         features += ["group_term", "metric_aggregation"]
-    if OmegaConf.select(config, "hetero.enable"):
+    if OmegaConf.select(config, HETERO_ENABLE):
         features.append("hetero")
-        if OmegaConf.select(config, "actor_rollout_ref.hybrid_engine") is False:
+        if OmegaConf.select(config, HYBRID_ENGINE) is False:
             features.append("hybrid_engine_off")
-    if OmegaConf.select(config, "trainer.device") == CPU_PLATFORM:
+    if OmegaConf.select(config, DEVICE) == CPU_PLATFORM:
         from gepo_plugin.cpu_backend.megatron import megatron_selected
 
         features.append("cpu_backend")
         if megatron_selected(config):
             features.append("megatron_cpu")
     return features
-
-
-def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(node, dict) and node:
-        for key, value in node.items():
-            yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))
-    else:
-        yield prefix, node
 
 
 def _lookup(container: Any, key: str) -> tuple[bool, Any]:
@@ -158,7 +163,7 @@ def changed_keys(before: DictConfig, after: DictConfig) -> dict[str, Any]:
     old = OmegaConf.to_container(before, resolve=False)
     new = OmegaConf.to_container(after, resolve=False)
     changed = {}
-    for key, value in _leaves(new):
+    for key, value in leaves(new):
         found, previous = _lookup(old, key)
         if not found or previous != value or type(previous) is not type(value):
             changed[key] = value
@@ -204,13 +209,9 @@ def plan_launch(config: DictConfig, user_overrides: list[str]) -> LaunchPlan:
     explicit = explicit_keys(user_overrides)
     settled, warnings = settle(config, explicit)
     filled_in = changed_keys(config, settled)
-    before = [f"++{key}={format_value(value)}" for key, value in filled_in.items() if not _user_set(key, explicit)]
-    after = [f"++{key}={format_value(value)}" for key, value in filled_in.items() if _user_set(key, explicit)]
+    before = [f"++{key}={format_value(value)}" for key, value in filled_in.items() if not explicit.covers(key)]
+    after = [f"++{key}={format_value(value)}" for key, value in filled_in.items() if explicit.covers(key)]
     return LaunchPlan(settled, filled_in, [*before, *user_overrides, *after], warnings)
-
-
-def _user_set(key: str, explicit: set[str]) -> bool:
-    return any(key == k or key.startswith(k + ".") for k in explicit)
 
 
 def check_before_start(config: DictConfig) -> None:

@@ -2,9 +2,12 @@
 
 Their code lives in the repository's ``patches/``. Every change to a dependency's behaviour beyond its public
 hooks is a :class:`Patch`: a name, the package versions it was written for, what it fixes and why, the seam
-feature whose contacts it touches (:mod:`gepo_plugin.verl_glue.seam`), and an ``apply`` function. :func:`apply`
-refuses (raises) on any other version, or when a contact it needs is missing, instead of guessing, and records
-what it applied in :data:`APPLIED`, so ``python -m gepo_plugin doctor`` can say exactly what is active. Each
+feature whose contacts it touches, the check of those contacts (the patch passes in the seam's,
+:func:`gepo_plugin.verl_glue.seam.require`), and an ``apply`` function. :func:`apply` refuses (raises) on any
+other version, or when a contact it needs is missing, instead of guessing, and records what it applied in
+:data:`APPLIED`, so ``python -m gepo_plugin doctor`` can say exactly what is active. This framework depends on no
+part of the verl glue: the glue applies patches by name, a patch imports the glue's shared names and its seam, so a
+patch can be deleted when verl fixes the gap without touching the glue. Each
 patch is applied only where it is needed: ``gloo_process_group`` and the Megatron ones by the CPU backend
 (``VERL_PLATFORM=cpu``; the Megatron ones only once a CPU Megatron engine is built), ``hybrid_engine_off`` by
 HeteroRL runs with ``hybrid_engine=False``, ``server_identity`` by HeteroRL runs (``hetero.enable=true``). A
@@ -30,7 +33,8 @@ class Patch:
     """A change to a dependency's behaviour: every private name it touches is a contact of ``feature`` in the seam.
 
     ``versions`` maps each package whose code the patch changes or relies on (``"verl"``, ``"megatron-core"``,
-    ``"mbridge"``) to the version specifier it was written for.
+    ``"mbridge"``) to the version specifier it was written for. ``check_contacts(feature)`` raises unless every
+    private name of ``feature`` has the shape the patch relies on; it runs before ``apply`` changes anything.
     """
 
     name: str
@@ -38,16 +42,17 @@ class Patch:
     reason: str
     apply: Callable[[], None]
     feature: str
+    check_contacts: Callable[[str], None]
 
 
 def version_problem(patch: Patch) -> str | None:
     """Why ``patch`` must not be applied here (a package absent or at another version), or None."""
     from packaging.specifiers import SpecifierSet
 
-    from gepo_plugin.verl_glue import seam
+    from gepo_plugin import versions
 
     for package, specifier in patch.versions.items():
-        installed = seam.installed_version(package)
+        installed = versions.installed_version(package)
         if installed is None:
             return f"it was written for {package}{specifier}, which is not installed"
         if installed not in SpecifierSet(specifier):
@@ -70,9 +75,7 @@ def apply(patch: Patch) -> bool:
             f"patch {patch.name!r}: {problem}; refusing to patch blindly. It fixes: {patch.reason}. Check whether "
             "this version still needs it and update patches/ (or install a supported version)."
         )
-    from gepo_plugin.verl_glue import seam
-
-    seam.require(patch.feature)
+    patch.check_contacts(patch.feature)
     patch.apply()
     APPLIED.append(patch.name)
     return True

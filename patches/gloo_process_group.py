@@ -34,4 +34,5 @@ PATCH = Patch(
     reason="verl builds the process-group backend 'cpu:gloo,cpu:gloo' on the cpu device (duplicate device type)",
     apply=_apply,
     feature="cpu_backend",
+    check_contacts=seam.require,
 )

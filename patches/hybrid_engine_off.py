@@ -34,4 +34,5 @@ PATCH = Patch(
     reason="separate_async with hybrid_engine=False calls logger.info(..., flush=True), a TypeError",
     apply=_apply,
     feature="hybrid_engine_off",
+    check_contacts=seam.require,
 )

@@ -60,4 +60,5 @@ PATCH = Patch(
     reason="mbridge builds the decoder with Transformer Engine modules, which need CUDA",
     apply=_apply,
     feature="megatron_cpu",
+    check_contacts=seam.require,
 )

@@ -44,4 +44,5 @@ PATCH = Patch(
     reason="mbridge knows only Transformer Engine's fused layer-norm weight names",
     apply=_apply,
     feature="megatron_cpu",
+    check_contacts=seam.require,
 )

@@ -68,4 +68,5 @@ PATCH = Patch(
     reason="megatron's RNG tracker reads and writes the CUDA generator in every attention forward",
     apply=_apply,
     feature="megatron_cpu",
+    check_contacts=seam.require,
 )

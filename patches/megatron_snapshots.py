@@ -31,4 +31,5 @@ PATCH = Patch(
     reason="verl's Megatron weight snapshot pins memory (an accelerator call) outside any engine call",
     apply=_apply,
     feature="megatron_cpu",
+    check_contacts=seam.require,
 )

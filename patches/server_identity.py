@@ -7,7 +7,8 @@ patch remembers the id in a context variable when the server is acquired and add
 ``FullyAsyncLLMServerClient.generate`` (which rebuilds ``extra_fields`` after partial-rollout
 resumes; the last server used is recorded). verl carries ``extra_fields`` into TransferQueue with the
 trajectory. Applied only in HeteroRL runs (``GEPO_SERVER_IDENTITY=1``, set in the Ray runtime env
-by ``hetero.enable=true``); nothing else changes.
+by ``hetero.enable=true``; the names are the glue's, :mod:`gepo_plugin.verl_glue.hetero.server_identity`);
+nothing else changes.
 """
 
 from __future__ import annotations
@@ -17,11 +18,7 @@ import functools
 
 from gepo_plugin.patching import Patch
 from gepo_plugin.verl_glue import seam
-
-#: TokenOutput.extra_fields key with the generating server's address.
-SERVER_ID = "server_id"
-#: Environment switch, set for every Ray process of a HeteroRL run.
-ENV = "GEPO_SERVER_IDENTITY"
+from gepo_plugin.verl_glue.hetero.server_identity import SERVER_ID
 
 _LAST_SERVER: contextvars.ContextVar[str | None] = contextvars.ContextVar("gepo_last_server", default=None)
 
@@ -64,4 +61,5 @@ PATCH = Patch(
     reason="rollout outputs do not say which server generated them (needed for per-sampler-group throughput)",
     apply=_apply,
     feature="server_identity",
+    check_contacts=seam.require,
 )

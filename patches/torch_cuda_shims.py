@@ -40,4 +40,5 @@ PATCH = Patch(
     reason="megatron-core and mbridge place buffers on torch.cuda.current_device(), which raises on a CPU build",
     apply=_apply,
     feature="megatron_cpu",
+    check_contacts=seam.require,
 )

@@ -55,14 +55,15 @@ def hetero_buffer(refills: list[int] | None = None, poll_interval: float = 0.02,
 def installed_versions(monkeypatch):
     """Pretend other installed versions: ``installed_versions(verl="0.9.9", **{"megatron-core": None})``.
 
-    Every version check of the plugin (the seam's, the patches') asks ``seam.installed_version``; None means absent.
+    Every version check of the plugin (the seam's, the patches') asks ``gepo_plugin.versions.installed_version``;
+    None means absent.
     """
-    from gepo_plugin.verl_glue import seam
+    from gepo_plugin import versions as installed
 
-    real = seam.installed_version
+    real = installed.installed_version
 
     def pretend(**versions: str | None) -> None:
-        monkeypatch.setattr(seam, "installed_version", lambda package: versions.get(package, real(package)))
+        monkeypatch.setattr(installed, "installed_version", lambda package: versions.get(package, real(package)))
 
     return pretend
 

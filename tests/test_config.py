@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from gepo_plugin.launch import settled_config
-from gepo_plugin.verl_glue.presets import PRESETS, UnknownLossError, explicit_override_keys
+from gepo_plugin.launch import explicit_keys, settled_config
+from gepo_plugin.verl_glue.presets import PRESETS, UnknownLossError
 from gepo_plugin.verl_glue.validation import PluginConfigError
 
 MICRO = [
@@ -133,6 +133,6 @@ def test_policy_loss_dataclass_rejects_a_bad_group_scope_too():
         omega_conf_to_dataclass(config.actor_rollout_ref.actor)
 
 
-def test_explicit_override_keys():
-    keys = explicit_override_keys(["a.b=1", "+c.d=2", "++e=3", "~f.g", "hydra.run.dir=x"])
+def test_explicit_keys():
+    keys = explicit_keys(["a.b=1", "+c.d=2", "++e=3", "~f.g", "hydra.run.dir=x"])
     assert keys == {"a.b", "c.d", "e", "f.g"}

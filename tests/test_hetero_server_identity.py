@@ -68,7 +68,7 @@ def _client(llm_server, servers: dict):
 
 
 def test_every_output_names_the_server_that_generated_it(local_ray, patched):
-    from gepo_plugin.patches.server_identity import SERVER_ID
+    from gepo_plugin.verl_glue.hetero.server_identity import SERVER_ID
 
     servers = {f"10.0.0.{i}:800{i}": NamedServer.remote(f"10.0.0.{i}:800{i}") for i in range(3)}
     client = _client(patched, servers)
@@ -90,7 +90,7 @@ def test_without_the_patch_verl_does_not_report_the_server(local_ray):
     """Why the patch exists: verl 0.9.1's client drops the server id (fails once verl records it itself)."""
     from verl.workers.rollout import llm_server
 
-    from gepo_plugin.patches.server_identity import SERVER_ID
+    from gepo_plugin.verl_glue.hetero.server_identity import SERVER_ID
 
     client = _client(llm_server, {"only:1": NamedServer.remote("only:1")})
     output = asyncio.run(client.generate("r", prompt_ids=[1], sampling_params={}))

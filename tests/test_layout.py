@@ -13,7 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gepo_plugin"
 
 #: Framework-free components: the maths and HeteroRL's core, plain torch/numpy/pydantic.
-COMPONENTS = ("gepo_plugin.maths", "gepo_plugin.hetero", "gepo_plugin.options", "gepo_plugin.names")
+COMPONENTS = (
+    "gepo_plugin.maths",
+    "gepo_plugin.hetero",
+    "gepo_plugin.options",
+    "gepo_plugin.names",
+    "gepo_plugin.config_keys",
+    "gepo_plugin.config_tree",
+    "gepo_plugin.versions",
+)
 #: The thin verl glue (with the patches it applies and the config it declares).
 GLUE = ("gepo_plugin.verl_glue", "gepo_plugin.patches", "gepo_plugin.patching", "gepo_plugin.config")
 #: Recipes and tools built on the components and the glue.
@@ -127,3 +135,28 @@ def test_there_is_no_import_cycle():
         if node not in state:
             visit(node, [node])
     assert cycles == []
+
+
+def _importers_of(targets: tuple[str, ...], sources: tuple[str, ...]) -> list[str]:
+    """``source -> target`` edges from a module under ``sources`` to one under ``targets``."""
+
+    def under(name: str, prefixes: tuple[str, ...]) -> bool:
+        return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+    return sorted(
+        f"{source} -> {target}"
+        for source, found in graph().items()
+        if under(source, sources)
+        for target in found
+        if under(target, targets)
+    )
+
+
+def test_the_glue_imports_no_patch():
+    """A patch is deletable when verl fixes its gap: names it shares with the glue live in the glue."""
+    assert _importers_of(("gepo_plugin.patches",), ("gepo_plugin.verl_glue", "gepo_plugin.config")) == []
+
+
+def test_the_patch_framework_imports_no_glue_and_no_patch():
+    """The framework is handed the seam's check by each patch, so it sits below the glue (no arrow back up)."""
+    assert _importers_of(("gepo_plugin.verl_glue", "gepo_plugin.patches"), ("gepo_plugin.patching",)) == []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from gepo_plugin import config_keys as keys
 from gepo_plugin.cpu_backend import CPU_PLATFORM, ROLLOUT_NAME, cpu_platform_selected
 from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.registration import install_hooks
@@ -96,7 +97,7 @@ def select_cpu_platform() -> None:
 def cpu_run_settings(config: DictConfig) -> dict[str, object]:
     """The verl settings a CPU run needs, derived from the config (the launcher applies them where the user is
     silent)."""
-    mode = str(OmegaConf.select(config, "trainer.v1.trainer_mode", default="sync"))
+    mode = str(OmegaConf.select(config, keys.TRAINER_MODE, default="sync"))
     separate = mode.endswith("separate_async")
     trainer_gpus = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
     rollout_gpus = 0
@@ -109,25 +110,23 @@ def cpu_run_settings(config: DictConfig) -> dict[str, object]:
     if megatron_selected(config):
         engine_settings = megatron_cpu_settings(config)
     else:  # verl's FSDP1 demands GPU parameters with sync_module_states
-        engine_settings = {
-            f"{role}.strategy": "fsdp2" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
-        }
+        engine_settings = {f"{role}.strategy": "fsdp2" for role in keys.ENGINE_ROLES}
     return engine_settings | {
-        "actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
-        "critic.model.override_config.attn_implementation": "sdpa",
-        "actor_rollout_ref.rollout.name": ROLLOUT_NAME,
+        keys.MODEL_ATTN_IMPLEMENTATION: "sdpa",
+        keys.CRITIC_ATTN_IMPLEMENTATION: "sdpa",
+        keys.ROLLOUT_NAME: ROLLOUT_NAME,
         # the transformers rollout serves a replica from one process
-        "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
-        "actor_rollout_ref.rollout.checkpoint_engine.backend": SEPARATE_CHECKPOINT_ENGINE if separate else "naive",
-        "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1,
+        keys.ROLLOUT_TENSOR_PARALLEL: 1,
+        keys.CHECKPOINT_ENGINE_BACKEND: SEPARATE_CHECKPOINT_ENGINE if separate else "naive",
+        keys.TRANSFER_QUEUE_STORAGE_UNITS: 1,
         # Pool bundles, workers and TransferQueue actors each reserve logical CPUs; with only as many
         # as cores, Ray waits forever without an error. Logical CPUs are only bookkeeping.
-        "ray_kwargs.ray_init.num_cpus": max(16, 4 * (trainer_gpus + rollout_gpus) + 8),
+        keys.RAY_NUM_CPUS: max(16, 4 * (trainer_gpus + rollout_gpus) + 8),
         # verl's resource pools ask for GPUs; declare fake ones (the platform's resource name is "GPU").
-        "ray_kwargs.ray_init.num_gpus": trainer_gpus + rollout_gpus,
-        "ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM": CPU_PLATFORM,
-        "ray_kwargs.ray_init.runtime_env.env_vars.TOKENIZERS_PARALLELISM": "false",
-        "ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS": "1",
+        keys.RAY_NUM_GPUS: trainer_gpus + rollout_gpus,
+        f"{keys.RAY_ENV_VARS}.VERL_PLATFORM": CPU_PLATFORM,
+        f"{keys.RAY_ENV_VARS}.TOKENIZERS_PARALLELISM": "false",
+        f"{keys.RAY_ENV_VARS}.OMP_NUM_THREADS": "1",
     }
 
 
@@ -137,6 +136,6 @@ def check_cpu_run(config: DictConfig) -> None:
     from gepo_plugin.cpu_backend.rollout.options import HF_OPTIONS_KEY, parse_hf_options
 
     block = OmegaConf.select(config, HF_OPTIONS_KEY, default=None)
-    full_determinism = OmegaConf.select(config, "actor_rollout_ref.rollout.full_determinism", default=False)
+    full_determinism = OmegaConf.select(config, keys.FULL_DETERMINISM, default=False)
     parse_hf_options(OmegaConf.to_container(block, resolve=True) if block is not None else None, full_determinism)
     check_megatron_cpu(config)

@@ -9,12 +9,15 @@ Framework-free: plain mappings in.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictInt, model_validator
 
+from gepo_plugin import config_keys
 from gepo_plugin.hetero.delays import DelayConfig, DelayModel
 from gepo_plugin.hetero.staleness import (
     DEFAULT_ADMISSION_MARGIN,
@@ -27,7 +30,7 @@ from gepo_plugin.hetero.staleness import (
 from gepo_plugin.options import STRICT_BLOCK, OptionsError, parse_options
 
 #: Where the block lives in the plugin's config tree.
-HETERO_KEY = "hetero"
+HETERO_KEY = config_keys.HETERO
 
 
 class HeteroConfigError(OptionsError):
@@ -195,11 +198,28 @@ class HeteroSettings:
 
 
 def parse_hetero(block: Mapping[str, Any] | None) -> HeteroSettings:
-    """Validate the ``hetero`` block (a plain mapping, or an OmegaConf node) into :class:`HeteroSettings`."""
+    """Validate the ``hetero`` block (a plain mapping, or an OmegaConf node) into :class:`HeteroSettings`.
+
+    Parsed once per process and block: the launcher, the trainer and verl's replay-buffer factory each hold the same
+    block, and every part of the result is immutable, so they share one parse.
+    """
     if block is not None and not isinstance(block, dict):
         from omegaconf import OmegaConf
 
         block = OmegaConf.to_container(block, resolve=True) if OmegaConf.is_config(block) else dict(block)
+    try:
+        canonical = json.dumps(block, sort_keys=True, allow_nan=True)
+    except TypeError:  # a value JSON cannot spell (only hand-built blocks): parse without the cache
+        return _parse_block(block)
+    return _parse_canonical(canonical)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_canonical(canonical: str) -> HeteroSettings:
+    return _parse_block(json.loads(canonical))
+
+
+def _parse_block(block: dict[str, Any] | None) -> HeteroSettings:
     config = parse_options(HeteroConfig, block, HETERO_KEY, HeteroConfigError)
     delays = None
     if config.group_delays is not None:

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gepo_plugin import config_keys as keys
 from gepo_plugin.hetero.weight_schedule import WeightArrivalSchedule
 from gepo_plugin.lab.rollout_queue import LabRolloutQueue
 from gepo_plugin.lab.stability_config import METHODS, StabilityConfig
@@ -63,7 +64,7 @@ from gepo_plugin.maths import (
     k3_kl,
     sequence_log_prob,
 )
-from gepo_plugin.verl_glue.presets import ACTOR, PRESETS
+from gepo_plugin.verl_glue.presets import PRESETS
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, provide_response_terms
 
 #: Which importance weight each method's loss actually uses (for the weight-variance diagnostic).
@@ -93,12 +94,12 @@ class MethodSpec:
         settings = preset.settings
         return cls(
             name=name,
-            loss_mode=str(settings[f"{ACTOR}.policy_loss.loss_mode"]),
-            loss_agg_mode=str(settings[f"{ACTOR}.loss_agg_mode"]),
-            estimator=str(settings["algorithm.adv_estimator"]),
-            norm_by_std=bool(settings.get("algorithm.norm_adv_by_std_in_grpo", False)),
-            clip_low=float(settings[f"{ACTOR}.clip_ratio_low"]),
-            clip_high=float(settings[f"{ACTOR}.clip_ratio_high"]),
+            loss_mode=str(settings[keys.LOSS_MODE]),
+            loss_agg_mode=str(settings[keys.LOSS_AGG_MODE]),
+            estimator=str(settings[keys.ADV_ESTIMATOR]),
+            norm_by_std=bool(settings.get(keys.NORM_ADV_BY_STD, False)),
+            clip_low=float(settings[keys.CLIP_RATIO_LOW]),
+            clip_high=float(settings[keys.CLIP_RATIO_HIGH]),
             needs_group_term=preset.needs_group_term,
         )
 

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from gepo_plugin import config_keys
 from gepo_plugin.options import STRICT_BLOCK
 
 #: Largest accepted cap on ``log w``: exp(80) is close to float32's limit (exp(88.7) overflows), so the
@@ -18,9 +19,9 @@ from gepo_plugin.options import STRICT_BLOCK
 MAX_LOG_RATIO_CAP = 80.0
 
 #: Where each block lives in verl's config tree (for error messages and the Hydra nodes).
-GEPO_OPTIONS_KEY = "actor_rollout_ref.actor.policy_loss"
-BNPO_OPTIONS_KEY = "algorithm.bnpo"
-DELTA_L_OPTIONS_KEY = "algorithm.delta_l"
+GEPO_OPTIONS_KEY = config_keys.POLICY_LOSS
+BNPO_OPTIONS_KEY = config_keys.BNPO_OPTIONS
+DELTA_L_OPTIONS_KEY = config_keys.DELTA_L_OPTIONS
 
 
 class GEPOOptions(BaseModel):

@@ -9,20 +9,25 @@ verl terms (``python -m gepo_plugin presets`` prints it).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from gepo_plugin.config_keys import (
+    ADV_ESTIMATOR,
+    ALGORITHM_LOSS,
+    BYPASS_MODE,
+    CLIP_RATIO_HIGH,
+    CLIP_RATIO_LOW,
+    GROUP_SCOPE,
+    LOSS_AGG_MODE,
+    LOSS_MODE,
+    NORM_ADV_BY_STD,
+)
+from gepo_plugin.config_tree import NO_USER_KEYS, UserKeys
 from gepo_plugin.verl_glue.errors import PluginConfigError
-
-ACTOR = "actor_rollout_ref.actor"
-TRAINER_MODE_KEY = "trainer.v1.trainer_mode"
-
-
-LOSS_MODE_KEY = f"{ACTOR}.policy_loss.loss_mode"
-ESTIMATOR_KEY = "algorithm.adv_estimator"
 
 
 @dataclass(frozen=True)
@@ -38,11 +43,11 @@ class LossPreset:
     summary: str
     settings: Mapping[str, Any] = field(default_factory=dict)
     needs_group_term: bool = False
-    defines: tuple[str, ...] = (LOSS_MODE_KEY,)
+    defines: tuple[str, ...] = (LOSS_MODE,)
 
 
 def _ppo_clip(low: float, high: float) -> dict[str, Any]:
-    return {f"{ACTOR}.clip_ratio_low": low, f"{ACTOR}.clip_ratio_high": high}
+    return {CLIP_RATIO_LOW: low, CLIP_RATIO_HIGH: high}
 
 
 PRESETS: dict[str, LossPreset] = {
@@ -53,12 +58,12 @@ PRESETS: dict[str, LossPreset] = {
             "GEPO (arXiv 2508.17850): sequence weight p_i / E_hat_q[q] over the prompt's group; "
             "mean-centred advantages; sampler log-probs as q (bypass mode)",
             {
-                f"{ACTOR}.policy_loss.loss_mode": "gepo",
-                f"{ACTOR}.policy_loss.group_scope": "prompt",
-                "algorithm.adv_estimator": "grpo",
-                "algorithm.norm_adv_by_std_in_grpo": False,
-                f"{ACTOR}.loss_agg_mode": "seq-mean-token-mean",
-                "algorithm.rollout_correction.bypass_mode": True,
+                LOSS_MODE: "gepo",
+                GROUP_SCOPE: "prompt",
+                ADV_ESTIMATOR: "grpo",
+                NORM_ADV_BY_STD: False,
+                LOSS_AGG_MODE: "seq-mean-token-mean",
+                BYPASS_MODE: True,
                 **_ppo_clip(0.2, 0.2),
             },
             needs_group_term=True,
@@ -67,10 +72,10 @@ PRESETS: dict[str, LossPreset] = {
             "grpo",
             "GRPO: token ratio p_t/q_t, std-normalised group advantages (verl's vanilla loss)",
             {
-                f"{ACTOR}.policy_loss.loss_mode": "vanilla",
-                "algorithm.adv_estimator": "grpo",
-                "algorithm.norm_adv_by_std_in_grpo": True,
-                f"{ACTOR}.loss_agg_mode": "seq-mean-token-mean",
+                LOSS_MODE: "vanilla",
+                ADV_ESTIMATOR: "grpo",
+                NORM_ADV_BY_STD: True,
+                LOSS_AGG_MODE: "seq-mean-token-mean",
                 **_ppo_clip(0.2, 0.2),
             },
         ),
@@ -78,10 +83,10 @@ PRESETS: dict[str, LossPreset] = {
             "dr_grpo",
             "Dr.GRPO: no std normalisation, token sum / constant length (seq-mean-token-sum-norm)",
             {
-                f"{ACTOR}.policy_loss.loss_mode": "vanilla",
-                "algorithm.adv_estimator": "grpo",
-                "algorithm.norm_adv_by_std_in_grpo": False,
-                f"{ACTOR}.loss_agg_mode": "seq-mean-token-sum-norm",
+                LOSS_MODE: "vanilla",
+                ADV_ESTIMATOR: "grpo",
+                NORM_ADV_BY_STD: False,
+                LOSS_AGG_MODE: "seq-mean-token-sum-norm",
                 **_ppo_clip(0.2, 0.2),
             },
         ),
@@ -89,10 +94,10 @@ PRESETS: dict[str, LossPreset] = {
             "gspo",
             "GSPO: length-normalised sequence ratio p_i/q_i (verl's gspo loss)",
             {
-                f"{ACTOR}.policy_loss.loss_mode": "gspo",
-                "algorithm.adv_estimator": "grpo",
-                "algorithm.norm_adv_by_std_in_grpo": True,
-                f"{ACTOR}.loss_agg_mode": "seq-mean-token-mean",
+                LOSS_MODE: "gspo",
+                ADV_ESTIMATOR: "grpo",
+                NORM_ADV_BY_STD: True,
+                LOSS_AGG_MODE: "seq-mean-token-mean",
                 **_ppo_clip(0.2, 0.2),
             },
         ),
@@ -100,10 +105,10 @@ PRESETS: dict[str, LossPreset] = {
             "gmpo",
             "GMPO: geometric-mean token ratio (verl's geo_mean) with the original +-0.4 log-ratio clip",
             {
-                f"{ACTOR}.policy_loss.loss_mode": "geo_mean",
-                "algorithm.adv_estimator": "grpo",
-                "algorithm.norm_adv_by_std_in_grpo": True,
-                f"{ACTOR}.loss_agg_mode": "seq-mean-token-mean",
+                LOSS_MODE: "geo_mean",
+                ADV_ESTIMATOR: "grpo",
+                NORM_ADV_BY_STD: True,
+                LOSS_AGG_MODE: "seq-mean-token-mean",
                 **_ppo_clip(0.4, 0.4),
             },
         ),
@@ -111,33 +116,33 @@ PRESETS: dict[str, LossPreset] = {
             "bnpo",
             "BNPO (arXiv 2506.02864): (R - p) / Beta(p; a, b) advantages, Beta fitted to group means",
             {
-                f"{ACTOR}.policy_loss.loss_mode": "vanilla",
-                "algorithm.adv_estimator": "bnpo",
-                f"{ACTOR}.loss_agg_mode": "seq-mean-token-sum",
+                LOSS_MODE: "vanilla",
+                ADV_ESTIMATOR: "bnpo",
+                LOSS_AGG_MODE: "seq-mean-token-sum",
                 **_ppo_clip(0.2, 0.2),
             },
-            defines=(LOSS_MODE_KEY, ESTIMATOR_KEY),
+            defines=(LOSS_MODE, ADV_ESTIMATOR),
         ),
         LossPreset(
             "delta_l",
             "Delta-L normalisation (arXiv 2509.07558): per-sequence weights L_i^-alpha / sum_j L_j^-alpha",
             {
-                f"{ACTOR}.policy_loss.loss_mode": "vanilla",
-                "algorithm.adv_estimator": "delta_l",
-                "algorithm.norm_adv_by_std_in_grpo": True,
-                f"{ACTOR}.loss_agg_mode": "seq-mean-token-sum-norm",
+                LOSS_MODE: "vanilla",
+                ADV_ESTIMATOR: "delta_l",
+                NORM_ADV_BY_STD: True,
+                LOSS_AGG_MODE: "seq-mean-token-sum-norm",
                 **_ppo_clip(0.2, 0.2),
             },
-            defines=(LOSS_MODE_KEY, ESTIMATOR_KEY),
+            defines=(LOSS_MODE, ADV_ESTIMATOR),
         ),
         LossPreset(
             "cispo",
             "CISPO: clipped, stop-gradient IS weight times log-prob (verl's cispo loss)",
             {
-                f"{ACTOR}.policy_loss.loss_mode": "cispo",
-                "algorithm.adv_estimator": "grpo",
-                "algorithm.norm_adv_by_std_in_grpo": True,
-                f"{ACTOR}.loss_agg_mode": "token-mean",
+                LOSS_MODE: "cispo",
+                ADV_ESTIMATOR: "grpo",
+                NORM_ADV_BY_STD: True,
+                LOSS_AGG_MODE: "token-mean",
                 **_ppo_clip(0.2, 0.2),
             },
         ),
@@ -160,10 +165,10 @@ def get_preset(name: str) -> LossPreset:
     return PRESETS[name]
 
 
-def check_contradictions(config: DictConfig, preset: LossPreset, explicit: set[str]) -> None:
+def check_contradictions(config: DictConfig, preset: LossPreset, explicit: UserKeys) -> None:
     """An explicit value for a key that ``preset.defines`` must agree with the preset (else: which key wins how)."""
     for key in preset.defines:
-        if _is_set_by_user(key, explicit):
+        if explicit.covers(key):
             value = OmegaConf.select(config, key)
             if value != preset.settings[key]:
                 raise PluginConfigError(
@@ -174,51 +179,29 @@ def check_contradictions(config: DictConfig, preset: LossPreset, explicit: set[s
                 )
 
 
-def explicit_override_keys(overrides: Iterable[str]) -> set[str]:
-    """Config keys a user set on the command line (``a.b=1``, ``+a.b=1``, ``++a.b=1``, ``~a.b``)."""
-    keys = set()
-    for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~").strip()
-        if key and not key.startswith("hydra."):
-            keys.add(key)
-    return keys
+def selected_preset(config: DictConfig) -> LossPreset | None:
+    """The preset ``algorithm.loss`` names (None when it names none; an unknown name is an error)."""
+    name = OmegaConf.select(config, ALGORITHM_LOSS, default=None)
+    return None if name is None else get_preset(str(name))
 
 
-def _is_set_by_user(key: str, explicit: set[str]) -> bool:
-    return any(key == k or key.startswith(k + ".") for k in explicit)
-
-
-def apply_loss_preset(config: DictConfig, explicit: set[str] | None = None) -> LossPreset | None:
+def apply_loss_preset(config: DictConfig, explicit: UserKeys = NO_USER_KEYS) -> LossPreset | None:
     """Fill in ``config`` from ``algorithm.loss``'s preset, leaving the user's explicit keys alone.
 
-    Also maps ``trainer.v1.trainer_mode`` to the plugin's trainer of the same mode when the loss
-    needs the trainer-side group term. Returns the applied preset (None if no loss is named).
+    Returns the applied preset (None if no loss is named); which trainer runs it is
+    :func:`gepo_plugin.verl_glue.trainer_mode.settle_trainer_mode`'s decision.
     """
-    name = OmegaConf.select(config, "algorithm.loss", default=None)
-    if name is None:
+    preset = selected_preset(config)
+    if preset is None:
         return None
-    preset = get_preset(str(name))
-    check_contradictions(config, preset, explicit or set())
+    check_contradictions(config, preset, explicit)
     apply_settings(config, preset.settings, explicit)
-    if preset.needs_group_term:
-        with open_dict(config):
-            _select_group_term_trainer(config)
     return preset
 
 
-def apply_settings(config: DictConfig, settings: Mapping[str, Any], explicit: set[str] | None = None) -> None:
+def apply_settings(config: DictConfig, settings: Mapping[str, Any], explicit: UserKeys = NO_USER_KEYS) -> None:
     """Set each ``key=value`` of ``settings`` in ``config`` unless the user set that key (or a parent)."""
-    explicit = explicit or set()
     with open_dict(config):
         for key, value in settings.items():
-            if not _is_set_by_user(key, explicit):
+            if not explicit.covers(key):
                 OmegaConf.update(config, key, value, force_add=True)
-
-
-def _select_group_term_trainer(config: DictConfig) -> None:
-    """verl's trainer mode -> the plugin's trainer of that mode (any other name is checked at validation)."""
-    from gepo_plugin.names import GEPO_TRAINER_FOR_MODE
-
-    mode = OmegaConf.select(config, TRAINER_MODE_KEY)
-    if mode in GEPO_TRAINER_FOR_MODE:
-        OmegaConf.update(config, TRAINER_MODE_KEY, GEPO_TRAINER_FOR_MODE[mode])

@@ -87,7 +87,7 @@ def install() -> None:
     """
     import os
 
-    from gepo_plugin.patches.server_identity import ENV
+    from gepo_plugin.verl_glue.hetero.server_identity import ENV
 
     for verl_module, plugin_modules in REGISTRATIONS.items():
         on_import(verl_module, lambda _module, mods=plugin_modules: import_registering(mods))

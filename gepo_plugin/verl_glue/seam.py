@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata as metadata
 import inspect
 import logging
 import warnings
@@ -32,6 +31,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
+
+from gepo_plugin import versions
 
 logger = logging.getLogger("gepo_plugin")
 
@@ -381,11 +382,8 @@ BY_NAME: dict[str, Contact] = {contact.name: contact for contact in CONTACTS}
 
 
 def installed_version(package: str) -> str | None:
-    """Installed version of a distribution (None when absent); cheap, imports nothing."""
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
+    """Installed version of a distribution (None when absent): :func:`gepo_plugin.versions.installed_version`."""
+    return versions.installed_version(package)
 
 
 def untested_packages(packages: Iterable[str] | None = None) -> dict[str, str]:

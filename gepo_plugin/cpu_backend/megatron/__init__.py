@@ -7,11 +7,13 @@ megatron-core until a CPU Megatron engine is built, so a GPU host or an FSDP run
 
 from omegaconf import DictConfig, OmegaConf
 
+from gepo_plugin import config_keys as keys
+
 MEGATRON_STRATEGY = "megatron"
 #: The roles whose engine ``model_engine=megatron`` selects (each has a ``<role>.megatron`` subtree then).
-MEGATRON_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+MEGATRON_ROLES = keys.ENGINE_ROLES
 
 
 def megatron_selected(config: DictConfig) -> bool:
     """Is the actor on verl's Megatron engine? (``model_engine=megatron`` composes ``actor.strategy=megatron``.)"""
-    return OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default=None) == MEGATRON_STRATEGY
+    return OmegaConf.select(config, keys.ACTOR_STRATEGY, default=None) == MEGATRON_STRATEGY

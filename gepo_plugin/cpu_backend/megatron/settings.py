@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from gepo_plugin import config_keys as keys
 from gepo_plugin.cpu_backend.megatron import MEGATRON_ROLES, megatron_selected
 from gepo_plugin.verl_glue.errors import PluginConfigError
 
@@ -63,7 +64,7 @@ ROLE_REQUIREMENTS = (
 #: Model requirements (the packed "thd" format needs Transformer Engine's attention, which needs CUDA).
 MODEL_REQUIREMENTS = (
     Requirement(
-        "actor_rollout_ref.model.use_remove_padding",
+        keys.MODEL_USE_REMOVE_PADDING,
         False,
         "the packed (thd) format needs Transformer Engine's attention, which needs CUDA",
     ),

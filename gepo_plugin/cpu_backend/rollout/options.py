@@ -11,10 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from gepo_plugin import config_keys
 from gepo_plugin.options import STRICT_BLOCK, OptionsError, parse_options
 
 #: Where the block lives in verl's config (``+actor_rollout_ref.rollout.engine_kwargs.hf.<option>=...``).
-HF_OPTIONS_KEY = "actor_rollout_ref.rollout.engine_kwargs.hf"
+HF_OPTIONS_KEY = config_keys.HF_ROLLOUT_OPTIONS
 
 
 class HFRolloutOptions(BaseModel):
@@ -49,7 +50,7 @@ def parse_hf_options(block: Any, full_determinism: bool = False) -> HFRolloutOpt
     if full_determinism and options.max_batch_size not in (None, 1):
         raise OptionsError(
             f"{HF_OPTIONS_KEY}.max_batch_size={options.max_batch_size} contradicts "
-            "actor_rollout_ref.rollout.full_determinism=true: a deterministic rollout generates one request at a "
+            f"{config_keys.FULL_DETERMINISM}=true: a deterministic rollout generates one request at a "
             "time. Fix: drop max_batch_size, or set full_determinism=false."
         )
     return options

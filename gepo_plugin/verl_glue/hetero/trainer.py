@@ -20,10 +20,13 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from gepo_plugin.config_keys import HETERO
 from gepo_plugin.hetero.lag_buckets import finalize_lag_metrics
 from gepo_plugin.hetero.lags import response_lags
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
@@ -34,17 +37,30 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "hetero.json"
 
 
+@dataclass
+class HeteroTrainerState:
+    """Everything :class:`HeteroMixin` adds to verl's trainer, declared in one place."""
+
+    #: The ``hetero`` block, parsed once when the trainer is built.
+    settings: HeteroSettings
+    #: The sampler books of ``hetero.json`` at a resume: verl loads the checkpoint before it starts the samplers,
+    #: and the weight sync takes these books when it is built.
+    resumed_sampler_books: dict[str, Any] = field(default_factory=dict)
+    #: Rollout server address -> sampler group label; retired and pre-resume addresses stay (their rollouts may
+    #: still be trained).
+    server_groups: dict[str, str] = field(default_factory=dict)
+    #: When the last step's throughput was measured (``time.monotonic``); None before the first step.
+    last_throughput_time: float | None = None
+
+
 class HeteroMixin:
     def __init__(self, config):
-        if parse_hetero(config.get("hetero")).enable:
+        self.hetero = HeteroTrainerState(settings=parse_hetero(config.get(HETERO)))
+        if self.hetero.settings.enable:
             seam.require("hetero")
         if config.actor_rollout_ref.get("hybrid_engine", True) is False:
             apply_hybrid_engine_off_patch()
         super().__init__(config)
-
-    @property
-    def hetero_settings(self) -> HeteroSettings:
-        return parse_hetero(self.config.get("hetero"))
 
     def _hetero_buffer(self):
         from gepo_plugin.verl_glue.hetero.replay_buffer import HeteroReplayBuffer
@@ -54,7 +70,7 @@ class HeteroMixin:
 
     def _setup(self):
         super()._setup()
-        settings = self.hetero_settings
+        settings = self.hetero.settings
         if not settings.enable:
             return
         buffer = self._hetero_buffer()
@@ -72,7 +88,7 @@ class HeteroMixin:
         )
         self.standalone_checkpoint_manager = sync
         sync.version_floors = buffer.core.version_floors  # the sync records, the core decides
-        sync.roster.load_state_dict(getattr(self, "_resumed_sampler_books", {}))
+        sync.roster.load_state_dict(self.hetero.resumed_sampler_books)
         buffer.on_poll = sync.poll
 
     def _weight_sync(self):
@@ -114,8 +130,8 @@ class HeteroMixin:
             live[replica.server_address] = str(sync.roster.group_of[replica_id])
         for address in getattr(self.llm_server_manager, "server_addresses", []) or []:
             live.setdefault(address, "learner")
-        self._server_group_map = {**(getattr(self, "_server_group_map", None) or {}), **live}
-        return self._server_group_map
+        self.hetero.server_groups.update(live)
+        return self.hetero.server_groups
 
     def _throughput_metrics(self, batch) -> dict[str, float]:
         """Trained trajectories and response tokens per sampler group, per second since the last step.
@@ -125,11 +141,12 @@ class HeteroMixin:
         """
         import transfer_queue as tq
 
-        from gepo_plugin.patches.server_identity import SERVER_ID
+        from gepo_plugin.verl_glue.hetero.server_identity import SERVER_ID
 
         now = time.monotonic()
-        elapsed = now - getattr(self, "_last_throughput_time", now)
-        self._last_throughput_time = now
+        last = self.hetero.last_throughput_time
+        elapsed = now - (now if last is None else last)
+        self.hetero.last_throughput_time = now
         real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
         if not real:
             return {}
@@ -159,7 +176,7 @@ class HeteroMixin:
         replacements, and which sampler group each server address belonged to (groups queued at the checkpoint are
         attributed to the servers that generated them after a resume, whose servers have new addresses)."""
         sync = self._weight_sync()
-        samplers = sync.roster.state_dict() if sync is not None else getattr(self, "_resumed_sampler_books", {})
+        samplers = sync.roster.state_dict() if sync is not None else self.hetero.resumed_sampler_books
         return {
             "global_steps": self.global_steps,
             "replay_buffer": self._hetero_buffer().state_dict(),
@@ -170,9 +187,9 @@ class HeteroMixin:
     def load_hetero_state(self, state: dict) -> None:
         self._hetero_buffer().load_state_dict(state["replay_buffer"])
         # verl loads the checkpoint before it starts the samplers: the weight sync takes these books when it is built
-        self._resumed_sampler_books = state.get("samplers", {})
+        self.hetero.resumed_sampler_books = state.get("samplers", {})
         # the live servers' addresses take precedence (a new server may reuse an old address)
-        self._server_group_map = dict(state.get("server_groups", {}))
+        self.hetero.server_groups = dict(state.get("server_groups", {}))
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
