@@ -40,10 +40,13 @@ import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from gepo_plugin.verl_glue.hetero.rollout_writer import PARTITION, RolloutWriter, clear_all
+# The rollout side is played by the tests' writer (a test helper, not shipped in the package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from rollout_writer import PARTITION, RolloutWriter, clear_all
 
 VERL = "verl ReplayBufferAsync"
 HETERO_DROP = "HeteroReplayBuffer (drop)"

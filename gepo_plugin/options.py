@@ -105,8 +105,3 @@ def parse_options(
 def defaults_of(model: type[BaseModel]) -> dict[str, Any]:
     """The model's defaults as a plain dict (the Hydra node users override)."""
     return model().model_dump(mode="python")
-
-
-def help_of(model: type[BaseModel], name: str) -> str:
-    """A field's description (the help text of config docs and generated command lines)."""
-    return model.model_fields[name].description or ""

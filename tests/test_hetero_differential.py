@@ -6,7 +6,7 @@ finished later with the versions of their oldest and newest token (some spanning
 resume from a checkpoint that lost one queued group. It is fed to
 
 * :class:`~gepo_plugin.verl_glue.hetero.replay_buffer.HeteroReplayBuffer`, written to exactly as verl's agent loop
-  writes TransferQueue (:class:`~gepo_plugin.verl_glue.hetero.rollout_writer.RolloutWriter`) and sampled as
+  writes TransferQueue (:class:`RolloutWriter` (tests/rollout_writer.py)) and sampled as
   verl's trainer samples it;
 * :class:`~gepo_plugin.lab.rollout_queue.LabRolloutQueue`, as the lab's simulator feeds it.
 
@@ -25,12 +25,12 @@ ray = pytest.importorskip("ray")
 tq = pytest.importorskip("transfer_queue")
 
 from conftest import hetero_buffer  # noqa: E402
+from rollout_writer import RolloutWriter, clear_all  # noqa: E402
 
 from gepo_plugin.hetero.delays import ExponentialDelay  # noqa: E402
 from gepo_plugin.hetero.weight_schedule import WeightArrivalSchedule  # noqa: E402
 from gepo_plugin.lab.rollout_queue import LabRolloutQueue  # noqa: E402
 from gepo_plugin.verl_glue.hetero.replay_buffer import HeteroReplayBuffer  # noqa: E402
-from gepo_plugin.verl_glue.hetero.rollout_writer import RolloutWriter, clear_all  # noqa: E402
 
 pytestmark = pytest.mark.ray
 GROUP = 2

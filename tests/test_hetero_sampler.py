@@ -17,9 +17,9 @@ ray = pytest.importorskip("ray")
 tq = pytest.importorskip("transfer_queue")
 
 from conftest import hetero_buffer  # noqa: E402
+from rollout_writer import RolloutWriter, clear_all  # noqa: E402
 
 from gepo_plugin.hetero.settings import HeteroConfigError  # noqa: E402
-from gepo_plugin.verl_glue.hetero.rollout_writer import RolloutWriter, clear_all  # noqa: E402
 
 pytestmark = pytest.mark.ray
 GROUP = 2  # responses per prompt

@@ -212,10 +212,10 @@ def test_live_mode_two_samplers(tmp_path: Path, monkeypatch) -> None:
     trained: list[tuple[dict[str, Any], Any]] = []
     original_run = stability_live.LiveCluster.run
 
-    def spy_run(self, model, *args: Any, **kwargs: Any):
-        before = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-        record = original_run(self, model, *args, **kwargs)
-        trained.append((before, model))
+    def spy_run(self, setup, *args: Any, **kwargs: Any):
+        before = {name: tensor.detach().clone() for name, tensor in setup.model.state_dict().items()}
+        record = original_run(self, setup, *args, **kwargs)
+        trained.append((before, setup.model))
         return record
 
     monkeypatch.setattr(stability_live.LiveCluster, "run", spy_run)

@@ -230,7 +230,7 @@ def run_stability(out_dir: Path, config: StabilityConfig, preset: str = "", prog
     import torch
     from tqdm.auto import tqdm
 
-    from gepo_plugin.lab.stability_sim import MethodSpec, simulate_run
+    from gepo_plugin.lab.stability_sim import MethodSpec, RunSetup, simulate_run
     from gepo_plugin.lab.stability_task import build_policy, build_task, supervised_warm_start
 
     out_dir = Path(out_dir)
@@ -278,9 +278,8 @@ def run_stability(out_dir: Path, config: StabilityConfig, preset: str = "", prog
                 for method in config.methods:
                     tick = time.perf_counter()
                     bar.set_postfix_str(f"seed {seed} {method} lag {lag}")
-                    record = run_fn(
-                        copy.deepcopy(base), specs[method], task, config, lag, seed, on_step=lambda _r: bar.update(1)
-                    )
+                    setup = RunSetup(copy.deepcopy(base), specs[method], task, config, lag, seed)
+                    record = run_fn(setup, on_step=lambda _r: bar.update(1))
                     records.append(record)
                     timing[f"run/seed{seed}/{method}/lag{lag}"] = time.perf_counter() - tick
         bar.close()

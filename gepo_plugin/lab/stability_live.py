@@ -16,9 +16,9 @@ process. Live mode runs the same pieces concurrently, across processes, under a 
   only between batches), and the driver checks it against the version it expected the actor to hold.
 * **The learner** runs in the driver process: the simulation's
   :class:`~gepo_plugin.lab.stability_sim.Learner` (the same rollout queue over HeteroRL's staleness core,
-  admission control, loss, evaluation cadence, lag check), driven by wall-clock events. An update takes its
-  real compute time, and at least ``learner_seconds * time_scale``; its version becomes visible (to admission
-  control and the weight schedule) only when that time is up.
+  admission control, loss, evaluation cadence, lag check), driven by wall-clock events (:class:`LiveRun`). An
+  update takes its real compute time, and at least ``learner_seconds * time_scale``; its version becomes visible
+  (to admission control and the weight schedule) only when that time is up.
 
 ``sim_time`` in the step diagnostics and ``sim_seconds`` of a run are wall-clock seconds divided by
 ``time_scale`` (simulated-second equivalents), so they read on the same scale as the simulation's.
@@ -37,7 +37,10 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gepo_plugin.lab.stability_sim import RunRecord, RunSetup
 
 #: Default wall-clock seconds per simulated second.
 DEFAULT_TIME_SCALE = 0.05
@@ -194,141 +197,212 @@ class LiveCluster:
 
     def run(
         self,
-        model: Any,
-        spec: Any,
-        task: Any,
-        config: Any,
-        max_lag: int,
-        seed: int,
-        on_step: Callable[[Any], None] | None = None,
+        setup: RunSetup,
+        on_step: Callable[[RunRecord], None] | None = None,
         stall_seconds: float | None = None,
-    ) -> Any:
-        """Train ``model`` (in place) for ``config.rl_steps`` updates with the actors as samplers; same arguments and
-        :class:`~gepo_plugin.lab.stability_sim.RunRecord` as :func:`~gepo_plugin.lab.stability_sim.simulate_run`
-        (plus ``record.live``: wall-clock facts about the run).
+    ) -> RunRecord:
+        """Train ``setup.model`` (in place) for ``config.rl_steps`` updates with the actors as samplers; same
+        arguments and :class:`~gepo_plugin.lab.stability_sim.RunRecord` as
+        :func:`~gepo_plugin.lab.stability_sim.simulate_run` (plus ``record.live``: wall-clock facts about the run).
 
         Raises on a lag above ``max_lag`` or a group whose version is not the one its sampler was sent, if the
         books lose a group, and ``RuntimeError`` if no update completes for ``stall_seconds`` wall seconds
         (default: generous, from the delay and speed settings).
         """
+        return LiveRun(self, setup, on_step, stall_seconds).run()
+
+
+class LiveRun:
+    """One live run's driver: the learner in this process, the cluster's actors as samplers, a wall clock.
+
+    :meth:`run` repeats one driver iteration until ``rl_steps`` updates are done: finish an update whose time is up
+    (:meth:`finish_due_update`), admit the batches that have arrived (:meth:`collect_finished`), deliver weights
+    the schedule says have arrived (:meth:`deliver_weights`), dispatch batches and start an update while any may
+    (:meth:`dispatch_and_train`), then wait for the next event (:meth:`wait_for_next_event`). Built and used by
+    :meth:`LiveCluster.run`.
+    """
+
+    def __init__(
+        self,
+        cluster: LiveCluster,
+        setup: RunSetup,
+        on_step: Callable[[RunRecord], None] | None = None,
+        stall_seconds: float | None = None,
+    ) -> None:
         import ray
 
         from gepo_plugin.hetero.weight_schedule import WeightArrivalSchedule
-        from gepo_plugin.lab.stability_sim import Learner, _snapshot
+        from gepo_plugin.lab.stability_sim import Learner, snapshot
 
-        if len(config.sampler_seconds) != len(self.actors):
-            raise ValueError(f"{len(config.sampler_seconds)} sampler speeds for {len(self.actors)} sampler actors")
-        scale = self.time_scale
+        config = setup.config
+        if len(config.sampler_seconds) != len(cluster.actors):
+            raise ValueError(f"{len(config.sampler_seconds)} sampler speeds for {len(cluster.actors)} sampler actors")
+        self.cluster, self.setup, self.config, self.on_step = cluster, setup, config, on_step
+        self.scale = cluster.time_scale
         if stall_seconds is None:
-            stall_seconds = 120.0 + 10 * scale * (
-                config.delay_high + max(self.sampler_seconds) + config.learner_seconds
+            stall_seconds = 120.0 + 10 * self.scale * (
+                config.delay_high + max(cluster.sampler_seconds) + config.learner_seconds
             )
-        learner = Learner(model, spec, task, config, max_lag, seed)
-        record = learner.record
-        g = config.groups_per_batch
-        weights = {0: ray.put(_snapshot(model))}
-        states = [_SamplerState(i, actor) for i, actor in enumerate(self.actors)]
-        schedule = WeightArrivalSchedule([config.delay_model()] * len(states), seed, start_version=0, start_time=0.0)
-        pids = ray.get([s.actor.start_run.remote(seed, 0, weights[0]) for s in states])
-        learner.record_eval()
+        self.stall_seconds = stall_seconds
+        self.learner = Learner(setup)
+        self.record = self.learner.record
+        self.groups_per_batch = config.groups_per_batch
+        self.weights: dict[int, Any] = {0: ray.put(snapshot(setup.model))}
+        self.states = [_SamplerState(i, actor) for i, actor in enumerate(cluster.actors)]
+        self.schedule = WeightArrivalSchedule(
+            [config.delay_model()] * len(self.states), setup.seed, start_version=0, start_time=0.0
+        )
+        self.pids = ray.get([s.actor.start_run.remote(setup.seed, 0, self.weights[0]) for s in self.states])
+        self.learner.record_eval()
+        self.started = time.monotonic()
+        self.pending: dict[Any, _SamplerState] = {}
+        self.loads: list[Any] = []
+        self.next_gid, self.weight_loads = 0, 0
+        self.learner_done_at: float | None = None
+        self.last_progress = 0.0
 
-        started = time.monotonic()
+    def clock(self) -> float:
+        """Simulated seconds since the start (wall seconds / time_scale): the schedule's clock."""
+        return (time.monotonic() - self.started) / self.scale
 
-        def clock() -> float:
-            """Simulated seconds since the start (wall seconds / time_scale): the schedule's clock."""
-            return (time.monotonic() - started) / scale
+    def in_flight(self) -> dict[str, int]:
+        """In-flight group name -> the learner step its batch was dispatched at."""
+        g = self.groups_per_batch
+        return {f"s{s.index}/{j}": s.submitted for s in self.states if s.busy for j in range(g)}
 
-        pending: dict[Any, _SamplerState] = {}
-        loads: list[Any] = []
-        next_gid, weight_loads = 0, 0
-        learner_done_at: float | None = None
-        last_progress = 0.0
+    def run(self) -> RunRecord:
+        """Drive the run to ``rl_steps`` updates, drain the actors, and return the record (with ``record.live``)."""
+        while self.learner.version < self.config.rl_steps:
+            if self.finish_due_update() and self.learner.version >= self.config.rl_steps:
+                break
+            self.collect_finished()
+            self.deliver_weights()
+            self.dispatch_and_train()
+            self.wait_for_next_event()
+            self.check_stall()
+        return self.finish()
 
-        def in_flight() -> dict[str, int]:
-            return {f"s{s.index}/{j}": s.submitted for s in states if s.busy for j in range(g)}
+    def finish_due_update(self) -> bool:
+        """If the running update's time is up: make its version current, publish its weights, report the step.
+        Returns whether an update finished."""
+        import ray
 
-        def collect(refs: list[Any]) -> None:
-            for ref in refs:
-                state = pending.pop(ref)
-                result = ray.get(ref)
-                versions = {grp.version for grp in result["groups"]}
-                if versions != {state.version_in_use} or result["version"] != state.version_in_use:
-                    raise AssertionError(
-                        f"sampler {state.index} generated with version(s) {sorted(versions)}, "
-                        f"but was sent version {state.version_in_use}"
-                    )
-                learner.admit(result["groups"])
-                state.busy = False
-                state.batches += 1
-                state.compute_seconds += result["compute_seconds"]
+        from gepo_plugin.lab.stability_sim import snapshot
 
-        while learner.version < config.rl_steps:
-            if learner_done_at is not None and clock() >= learner_done_at:
-                learner_done_at = None
-                learner.finish_update()
-                weights[learner.version] = ray.put(_snapshot(model))
-                schedule.publish(learner.version, clock())
-                learner.note_weights_published(schedule.oldest_held())
-                last_progress = clock()
-                if on_step is not None:
-                    on_step(record)
-                if learner.version >= config.rl_steps:
-                    break
-            if pending:
-                done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
-                collect(done)
-            schedule.advance(clock())
-            for state in states:
-                held = schedule.held[state.index]
-                if held != state.version:  # arrived: the actor loads it before its next batch (actor tasks are FIFO)
-                    state.version = held
-                    loads.append(state.actor.load.remote(held, weights[held]))
-                    weight_loads += 1
-            keep = {learner.version} | set(schedule.held) | schedule.needed_versions()
-            for old in [v for v in weights if v not in keep]:
-                del weights[old]  # a load still queued on an actor keeps its object alive
-            acted = True
-            while acted:
-                acted = False
-                for state in states:
-                    busy_groups = g * sum(s.busy for s in states)
-                    if not state.busy and learner.sampler_may_start(state.version, busy_groups):
-                        pending[state.actor.generate.remote(next_gid, learner.step)] = state
-                        state.busy, state.version_in_use, state.submitted = True, state.version, learner.step
-                        next_gid += g
-                        record.rollout_batches += 1
-                        acted = True
-                if learner.ready(in_flight()):
-                    tick = clock()
-                    learner.train(tick)
-                    learner_done_at = max(clock(), tick + config.learner_seconds)
-                    acted = True
-            deadlines = [download[2] for download in schedule.downloading if download is not None]
-            if learner_done_at is not None:
-                deadlines.append(learner_done_at)
-            timeout = max(0.0, (min(deadlines) - clock()) * scale) if deadlines else 0.05
-            if pending:
-                ray.wait(list(pending), num_returns=1, timeout=timeout)
-            else:
-                time.sleep(timeout)
-            if clock() - last_progress > stall_seconds / scale:
-                raise RuntimeError(
-                    f"live run stalled: no learner update for {stall_seconds:.0f} wall seconds at version "
-                    f"{learner.version} (queued {learner.ledger.queued}, in flight {len(pending)} batches)"
+        if self.learner_done_at is None or self.clock() < self.learner_done_at:
+            return False
+        learner = self.learner
+        self.learner_done_at = None
+        learner.finish_update()
+        self.weights[learner.version] = ray.put(snapshot(self.setup.model))
+        self.schedule.publish(learner.version, self.clock())
+        learner.note_weights_published(self.schedule.oldest_held())
+        self.last_progress = self.clock()
+        if self.on_step is not None:
+            self.on_step(self.record)
+        return True
+
+    def collect_finished(self) -> None:
+        """Admit every batch that has finished, without waiting."""
+        import ray
+
+        if self.pending:
+            done, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
+            self.collect(done)
+
+    def collect(self, refs: list[Any]) -> None:
+        """Admit the batches behind ``refs``, checking each group's version against the one its sampler was sent."""
+        import ray
+
+        for ref in refs:
+            state = self.pending.pop(ref)
+            result = ray.get(ref)
+            versions = {grp.version for grp in result["groups"]}
+            if versions != {state.version_in_use} or result["version"] != state.version_in_use:
+                raise AssertionError(
+                    f"sampler {state.index} generated with version(s) {sorted(versions)}, "
+                    f"but was sent version {state.version_in_use}"
                 )
-        sim_seconds = clock()
-        discarded = len(pending)
-        ray.get(list(pending))  # drain: batches still running at the end are not delivered (as in the simulation)
-        ray.get(loads)  # surface any failed weight load
-        record.live = {
+            self.learner.admit(result["groups"])
+            state.busy = False
+            state.batches += 1
+            state.compute_seconds += result["compute_seconds"]
+
+    def deliver_weights(self) -> None:
+        """Advance the weight schedule; queue a load on each actor whose next version has arrived, and forget the
+        versions nobody holds or needs."""
+        schedule = self.schedule
+        schedule.advance(self.clock())
+        for state in self.states:
+            held = schedule.held[state.index]
+            if held != state.version:  # arrived: the actor loads it before its next batch (actor tasks are FIFO)
+                state.version = held
+                self.loads.append(state.actor.load.remote(held, self.weights[held]))
+                self.weight_loads += 1
+        keep = {self.learner.version} | set(schedule.held) | schedule.needed_versions()
+        for old in [v for v in self.weights if v not in keep]:
+            del self.weights[old]  # a load still queued on an actor keeps its object alive
+
+    def dispatch_and_train(self) -> None:
+        """Start batches on idle samplers admission control lets start, and an update when the learner is ready,
+        until neither happens."""
+        learner, g = self.learner, self.groups_per_batch
+        acted = True
+        while acted:
+            acted = False
+            for state in self.states:
+                busy_groups = g * sum(s.busy for s in self.states)
+                if not state.busy and learner.sampler_may_start(state.version, busy_groups):
+                    self.pending[state.actor.generate.remote(self.next_gid, learner.step)] = state
+                    state.busy, state.version_in_use, state.submitted = True, state.version, learner.step
+                    self.next_gid += g
+                    self.record.rollout_batches += 1
+                    acted = True
+            if learner.ready(self.in_flight()):
+                tick = self.clock()
+                learner.train(tick)
+                self.learner_done_at = max(self.clock(), tick + self.config.learner_seconds)
+                acted = True
+
+    def wait_for_next_event(self) -> None:
+        """Block until a batch finishes or the next weight arrival or update end is due."""
+        import ray
+
+        deadlines = [download[2] for download in self.schedule.downloading if download is not None]
+        if self.learner_done_at is not None:
+            deadlines.append(self.learner_done_at)
+        timeout = max(0.0, (min(deadlines) - self.clock()) * self.scale) if deadlines else 0.05
+        if self.pending:
+            ray.wait(list(self.pending), num_returns=1, timeout=timeout)
+        else:
+            time.sleep(timeout)
+
+    def check_stall(self) -> None:
+        """Raise ``RuntimeError`` if no update has completed for ``stall_seconds`` wall seconds."""
+        if self.clock() - self.last_progress > self.stall_seconds / self.scale:
+            raise RuntimeError(
+                f"live run stalled: no learner update for {self.stall_seconds:.0f} wall seconds at version "
+                f"{self.learner.version} (queued {self.learner.ledger.queued}, in flight {len(self.pending)} batches)"
+            )
+
+    def finish(self) -> RunRecord:
+        """Drain the actors (batches still running are discarded, as in the simulation) and close the record."""
+        import ray
+
+        scale, states = self.scale, self.states
+        sim_seconds = self.clock()
+        discarded = len(self.pending)
+        ray.get(list(self.pending))  # drain: batches still running at the end are not delivered (as in the simulation)
+        ray.get(self.loads)  # surface any failed weight load
+        self.record.live = {
             "wall_seconds": sim_seconds * scale,
             "time_scale": scale,
             "driver_pid": os.getpid(),
-            "sampler_pids": [int(p) for p in pids],
+            "sampler_pids": [int(p) for p in self.pids],
             "sampler_batches": [s.batches for s in states],
             "sampler_compute_seconds_mean": [s.compute_seconds / s.batches if s.batches else 0.0 for s in states],
-            "sampler_min_batch_seconds": [sec * scale for sec in self.sampler_seconds],
-            "weight_loads": weight_loads,
+            "sampler_min_batch_seconds": [sec * scale for sec in self.cluster.sampler_seconds],
+            "weight_loads": self.weight_loads,
             "discarded_in_flight_batches": discarded,
         }
-        return learner.finish(sim_seconds)
+        return self.learner.finish(sim_seconds)

@@ -70,7 +70,17 @@ from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, provide_
 #: Which importance weight each method's loss actually uses (for the weight-variance diagnostic).
 OWN_WEIGHT = {"gepo": "gepo", "gspo": "seq_is", "grpo": "token_is", "dr_grpo": "token_is", "bnpo": "token_is"}
 
-__all__ = ["METHODS", "OWN_WEIGHT", "Learner", "MethodSpec", "RunRecord", "rollout_batch", "simulate_run"]
+__all__ = [
+    "METHODS",
+    "OWN_WEIGHT",
+    "Learner",
+    "MethodSpec",
+    "RunRecord",
+    "RunSetup",
+    "rollout_batch",
+    "simulate_run",
+    "snapshot",
+]
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,26 @@ class MethodSpec:
     def with_clip(self, clip: float) -> MethodSpec:
         """The same method with the ratio clip ``1 - clip .. 1 + clip`` (the lab's ``--clip``)."""
         return dataclasses.replace(self, clip_low=clip, clip_high=clip)
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """What one (seed, method, max_lag) run trains, and how: the policy, the method, the task, the lab config, the
+    staleness bound and the seed.
+
+    Why one object: these six always travel together, from the lab's run loop into either mode's driver
+    (:func:`simulate_run`, :meth:`~gepo_plugin.lab.stability_live.LiveCluster.run`) and on into the
+    :class:`Learner` both share, so one typed value keeps the two modes' signatures the same by construction and
+    cannot be passed in the wrong order. Frozen because a run's setup does not change while it runs (``model`` is
+    still trained in place: only which model is fixed).
+    """
+
+    model: torch.nn.Module
+    spec: MethodSpec
+    task: AdditionTask
+    config: StabilityConfig
+    max_lag: int
+    seed: int
 
 
 @functools.cache
@@ -341,21 +371,15 @@ class Learner:
     follows the ``eval_every`` cadence).
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        spec: MethodSpec,
-        task: AdditionTask,
-        config: StabilityConfig,
-        max_lag: int,
-        seed: int,
-    ) -> None:
-        self.model, self.spec, self.task, self.config, self.seed = model, spec, task, config, seed
+    def __init__(self, setup: RunSetup) -> None:
+        self.setup = setup
+        model, config, max_lag, seed = setup.model, setup.config, setup.max_lag, setup.seed
+        self.model, self.spec, self.task, self.config, self.seed = model, setup.spec, setup.task, config, seed
         self.queue = LabRolloutQueue(config.policy(max_lag))
         self.ledger = self.queue.ledger
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=0.01)
         model.eval()
-        self.record = RunRecord(seed=seed, method=spec.name, max_lag=max_lag)
+        self.record = RunRecord(seed=seed, method=setup.spec.name, max_lag=max_lag)
         self.version = 0
         self.busy = False  # an update is running: its version is not visible yet
 
@@ -445,30 +469,24 @@ class _Sampler:
     batch: list[Rollout] = field(default_factory=list)
 
 
-def simulate_run(
-    model: torch.nn.Module,
-    spec: MethodSpec,
-    task: AdditionTask,
-    config: StabilityConfig,
-    max_lag: int,
-    seed: int,
-    on_step: Callable[[RunRecord], None] | None = None,
-) -> RunRecord:
-    """Train ``model`` (in place) for ``config.rl_steps`` learner updates under simulated heterogeneous asynchrony.
+def simulate_run(setup: RunSetup, on_step: Callable[[RunRecord], None] | None = None) -> RunRecord:
+    """Train ``setup.model`` (in place) for ``config.rl_steps`` learner updates under simulated heterogeneous
+    asynchrony (``on_step(record)`` after every update).
 
     The learning rate rises linearly over the first ``lr_warmup_steps`` updates (the paper warms up too): Adam's
     first steps are full-size whatever the gradient noise, which otherwise knocks the weak warm-started policy
     back before RL has a signal.
 
-    Raises :class:`~gepo_plugin.hetero.core.BoundViolation` if a trained group would exceed ``max_lag``,
+    Raises :class:`~gepo_plugin.hetero.core.BoundViolation` if a trained group would exceed ``setup.max_lag``,
     :class:`~gepo_plugin.hetero.accounting.AccountingError` if the books lose a rollout (both checked at every
     update), and ``RuntimeError`` if the simulation stalls.
     """
-    learner = Learner(model, spec, task, config, max_lag, seed)
+    model, task, config, seed = setup.model, setup.task, setup.config, setup.seed
+    learner = Learner(setup)
     record = learner.record
     sampler_model = copy.deepcopy(model)
     loaded_version: list[int | None] = [None]
-    versions: dict[int, dict[str, torch.Tensor]] = {0: _snapshot(model)}
+    versions: dict[int, dict[str, torch.Tensor]] = {0: snapshot(model)}
     token_rng = torch.Generator().manual_seed(int(seed) * 1_000_003 + 7)
     prompt_rng = np.random.default_rng([int(seed), 0x5EED])
     samplers = [_Sampler(i, float(sec)) for i, sec in enumerate(config.sampler_seconds)]
@@ -533,7 +551,7 @@ def simulate_run(
         now = min(events)
         if learner_done_at is not None and learner_done_at <= now:
             learner_done_at = None
-            versions[learner.version + 1] = _snapshot(model)
+            versions[learner.version + 1] = snapshot(model)
             learner.finish_update()
             schedule.publish(learner.version, now)
             learner.note_weights_published(schedule.oldest_held())
@@ -550,5 +568,6 @@ def simulate_run(
     return learner.finish(now)
 
 
-def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of ``model``'s weights (one published version, as both modes keep and send it)."""
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}

@@ -13,6 +13,8 @@ PPO's clipped objective because it is positively homogeneous in the advantage.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from omegaconf import OmegaConf
@@ -31,14 +33,6 @@ def _options(model, config, name: str, key: str):
     return parse_options(model, section, key)
 
 
-def _valid_rows(response_mask: torch.Tensor) -> torch.Tensor:
-    return response_mask.sum(dim=-1) > 0
-
-
-def _scores(token_level_rewards: torch.Tensor) -> torch.Tensor:
-    return token_level_rewards.sum(dim=-1)
-
-
 def _require_index(index) -> np.ndarray:
     if index is None:
         raise ValueError(
@@ -46,6 +40,26 @@ def _require_index(index) -> np.ndarray:
             "which verl passes as `index`; it was missing"
         )
     return np.asarray(index, dtype=object)
+
+
+#: ``(scores, groups, valid_mask) -> advantages`` of the non-empty responses (one value per response).
+SequenceAdvantages = Callable[[torch.Tensor, GroupIndex, torch.Tensor], torch.Tensor]
+
+
+def _outcome_advantages(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, per_sequence: SequenceAdvantages
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The skeleton both estimators share: groups from verl's ``index`` over the non-empty responses, one advantage
+    per response from ``per_sequence``, 0 for empty (padding) rows, broadcast over each response's tokens."""
+    ids = _require_index(index)
+    valid = response_mask.sum(dim=-1) > 0
+    scores = token_level_rewards.sum(dim=-1)
+    advantages = torch.zeros_like(scores, dtype=torch.float32)
+    with torch.no_grad():
+        groups = GroupIndex.from_ids(ids[valid.cpu().numpy()], device=scores.device)
+        advantages[valid] = per_sequence(scores[valid], groups, response_mask[valid]).to(advantages.dtype)
+    advantages = advantages.unsqueeze(-1) * response_mask
+    return advantages, advantages
 
 
 @register_adv_est("bnpo")
@@ -62,22 +76,17 @@ def compute_bnpo_outcome_advantage(
     default 0 / 1) and ``weight_cap`` (cap on the inverse Beta density, default 1e6).
     """
     options = _options(BNPOOptions, config, "bnpo", BNPO_OPTIONS_KEY)
-    ids = _require_index(index)
-    valid = _valid_rows(response_mask)
-    scores = _scores(token_level_rewards)
-    advantages = torch.zeros_like(scores, dtype=torch.float32)
-    with torch.no_grad():
-        group_index = GroupIndex.from_ids(ids[valid.cpu().numpy()], device=scores.device)
-        values, _ = bnpo_advantages(
-            scores[valid],
-            group_index,
+
+    def per_sequence(scores: torch.Tensor, groups: GroupIndex, mask: torch.Tensor) -> torch.Tensor:
+        return bnpo_advantages(
+            scores,
+            groups,
             reward_min=options.reward_min,
             reward_max=options.reward_max,
             weight_cap=options.weight_cap,
-        )
-        advantages[valid] = values.to(advantages.dtype)
-    advantages = advantages.unsqueeze(-1) * response_mask
-    return advantages, advantages
+        )[0]
+
+    return _outcome_advantages(token_level_rewards, response_mask, index, per_sequence)
 
 
 @register_adv_est("delta_l")
@@ -95,15 +104,10 @@ def compute_delta_l_outcome_advantage(
     """
     alpha = _options(DeltaLOptions, config, "delta_l", DELTA_L_OPTIONS_KEY).alpha
     normalize = bool(config.get("norm_adv_by_std_in_grpo", True)) if config is not None else True
-    ids = _require_index(index)
-    valid = _valid_rows(response_mask)
-    scores = _scores(token_level_rewards)
-    advantages = torch.zeros_like(scores, dtype=torch.float32)
-    with torch.no_grad():
-        group_index = GroupIndex.from_ids(ids[valid.cpu().numpy()], device=scores.device)
-        base = group_advantages(scores[valid], group_index, normalize_by_std=normalize)
-        lengths = response_mask[valid].sum(dim=-1)
-        weights = delta_l_weights(lengths, alpha) * lengths.shape[0]
-        advantages[valid] = (base * weights).to(advantages.dtype)
-    advantages = advantages.unsqueeze(-1) * response_mask
-    return advantages, advantages
+
+    def per_sequence(scores: torch.Tensor, groups: GroupIndex, mask: torch.Tensor) -> torch.Tensor:
+        base = group_advantages(scores, groups, normalize_by_std=normalize)
+        lengths = mask.sum(dim=-1)
+        return base * (delta_l_weights(lengths, alpha) * lengths.shape[0])
+
+    return _outcome_advantages(token_level_rewards, response_mask, index, per_sequence)

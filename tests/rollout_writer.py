@@ -5,6 +5,7 @@ The replay buffer reads prompt keys (tags ``is_prompt``, ``status`` pending/runn
 (tags ``min_global_steps``/``max_global_steps``: the weight versions of their first and last token). The tests
 of :class:`~gepo_plugin.verl_glue.hetero.replay_buffer.HeteroReplayBuffer` and ``bench/bench_sampler.py`` drive
 it with this writer, so a buffer sees exactly what it sees in a verl run, without a model or a rollout server.
+A test helper: it is not shipped in the package (the bench puts ``tests/`` on its path to use it).
 """
 
 from __future__ import annotations
