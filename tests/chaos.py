@@ -42,9 +42,10 @@ name, namespace = names[int(sys.argv[2])]
 handle = ray.get_actor(name, namespace=namespace)
 
 def freeze_when_busy(server):
-    if not (server._pending or server._running):
+    scheduler = server._scheduler
+    if not (scheduler.pending or scheduler.running):
         return False
-    server._scheduler_task.get_loop().call_soon_threadsafe(time.sleep, 3600)
+    scheduler.task.get_loop().call_soon_threadsafe(time.sleep, 3600)
     return True
 
 deadline = time.monotonic() + 60

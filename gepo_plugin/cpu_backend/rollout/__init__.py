@@ -6,7 +6,9 @@ CPU, split as verl splits ``verl/workers/rollout/vllm_rollout``, so every caller
 ``LLMServerClient``/``FullyAsyncLLMServerClient``, ``CheckpointEngineManager``, the V1 trainers) works unchanged:
 
 * :mod:`.sampling`: vLLM's sampler algorithms as pure tensor functions;
-* :mod:`.server`: :class:`~.server.HFGenerationServer`, the Ray actor that generates (like ``vLLMHttpServer``);
+* :mod:`.server`: :class:`~.server.HFGenerationServer`, the Ray actor that generates (like ``vLLMHttpServer``),
+  composed of :mod:`.settings`, :mod:`.sampling_params` (request validation), :mod:`.scheduler` (queue, gate,
+  abort, drain), :mod:`.batch_generation` (KV-cache batched decoding), :mod:`.weights` and :mod:`.profiling`;
 * :mod:`.replica`: :class:`~.replica.HFReplica`, the ``RolloutReplica`` verl builds (like ``vLLMReplica``), in
   HYBRID mode (weights from the ``naive`` checkpoint engine) and STANDALONE mode (weights from a checkpoint engine
   such as :mod:`gepo_plugin.cpu_backend.ray_mailbox_engine`);

@@ -2,11 +2,13 @@
 
 Repetition penalty, temperature, min-p, top-k and top-p in vLLM's order, on a batch of logits with one setting per
 row, plus the validated per-request parameters (:class:`SamplingSpec`) and their per-batch tensor form
-(:class:`BatchParams`). No server, no Ray: the server (:mod:`.server`) calls these.
+(:class:`BatchParams`), and the draw of one token per row (:func:`sample_tokens`). No server, no Ray: the batched
+decoding loop (:mod:`.batch_generation`) calls these.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,3 +103,51 @@ class BatchParams:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value[index])
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: BatchParams,
+    seen: torch.Tensor | None,
+    generators: Sequence[torch.Generator | None],
+    shared_generator: torch.Generator,
+    logprobs_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row and its log-prob under ``logprobs_mode`` (vLLM's sampler order).
+
+    Log-probabilities follow vLLM's ``logprobs_mode`` (verl's default ``processed_logprobs``): the log-softmax of
+    the distribution the sampler actually drew from, i.e. after repetition penalty, temperature, min-p, top-k and
+    top-p; greedy requests use temperature 1. With verl's default ``top_k=-1, top_p=1`` this is exactly
+    ``log_softmax(logits / temperature)``, what the actor computes, so bypass mode and rollout-vs-actor log-prob
+    checks work as with vLLM. Rows with their own generator (a seeded request) draw from it, so their tokens do
+    not depend on the rest of the batch; the others share ``shared_generator`` in one draw. Greedy rows take the
+    argmax.
+    """
+    raw = logits
+    if params.repetition_penalty is not None and seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    processed = logits / params.temperature.unsqueeze(1)
+    if params.min_p is not None:
+        processed = apply_min_p(processed, params.min_p)
+    processed = apply_top_k_top_p(processed, params.top_k, params.top_p)
+
+    tokens = processed.argmax(dim=-1)
+    sampled = (~params.greedy).nonzero().flatten().tolist()
+    if sampled:
+        probs = processed.softmax(dim=-1)
+        shared = [i for i in sampled if generators[i] is None]
+        if shared:
+            index = torch.tensor(shared, dtype=torch.long)
+            tokens[index] = torch.multinomial(probs[index], 1, generator=shared_generator).squeeze(1)
+        for i in sampled:
+            generator = generators[i]
+            if generator is not None:
+                tokens[i] = torch.multinomial(probs[i], 1, generator=generator).squeeze(0)
+
+    source = {
+        "processed_logprobs": lambda: processed.log_softmax(dim=-1),
+        "processed_logits": lambda: processed,
+        "raw_logprobs": lambda: raw.log_softmax(dim=-1),
+        "raw_logits": lambda: raw,
+    }[logprobs_mode]()
+    return tokens, source.gather(1, tokens.unsqueeze(1)).squeeze(1)
