@@ -80,6 +80,11 @@ class CommandLine:
         return bool(self._names() & PASSTHROUGH_FLAGS)
 
     @property
+    def inspecting(self) -> bool:
+        """Only printing the config (``--cfg``, ``--package``, ``--resolve``), not running it."""
+        return bool(self._names() & PRINT_FLAGS)
+
+    @property
     def multirun(self) -> bool:
         return bool(self._names() & MULTIRUN_FLAGS)
 
@@ -214,20 +219,25 @@ def plan_launch(config: DictConfig, user_overrides: list[str]) -> LaunchPlan:
     return LaunchPlan(settled, filled_in, [*before, *user_overrides, *after], warnings)
 
 
-def check_before_start(config: DictConfig) -> None:
-    """The checks that need verl: the internals the run will use (seam) and verl's own ``validate_config``."""
+def check_before_start(config: DictConfig, inspecting: bool = False) -> list[str]:
+    """The checks that need verl: the internals the run will use (seam) and verl's own ``validate_config``.
+
+    ``inspecting``: the config is only printed (``--cfg job``), so files missing on this machine (a cluster's
+    command read on a laptop) are returned as warnings instead of refused.
+    """
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
     from gepo_plugin.verl_glue import seam
     from gepo_plugin.verl_glue.validation import check_paths, check_registered_names
 
-    check_paths(config)
+    warnings = check_paths(config, inspecting)
     seam.require(*features_needed(config))
     check_registered_names(config)
     # verl prints its progress to stdout; keep stdout for what the user asked for (``--cfg job`` pipes YAML)
     with contextlib.redirect_stdout(sys.stderr):
         validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    return warnings
 
 
 def compose_config(overrides: Iterable[str] = (), config_name: str = "gepo_trainer") -> DictConfig:

@@ -114,12 +114,12 @@ def main(argv: list[str] | None = None) -> None:
 
         select_cpu_platform()
     try:
-        check_before_start(plan.config)
+        inspect_warnings = check_before_start(plan.config, inspecting=command.inspecting)
     except SeamError as error:
         _config_error(str(error))
     except Exception as error:  # verl's validate_config raises assertions, ValueErrors and Hydra errors
         _config_error(f"verl's config check failed: {type(error).__name__}: {error}")
-    for warning in plan.warnings:
+    for warning in [*plan.warnings, *inspect_warnings]:
         logger.warning("gepo-plugin: %s", warning)
     sys.argv = [PROG, *command.flag_args(), *plan.overrides]
     _run()

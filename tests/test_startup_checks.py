@@ -132,3 +132,26 @@ def test_hydra_grammar_errors_also_exit_non_zero(valid, monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:
         launch([*valid, "hetero.maxlag=3"], monkeypatch)  # not a key of the config
     assert stop.value.code != 0 and "maxlag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("missing", "key"),
+    [
+        ("data.train_files=/nonexistent/train.parquet", "data.train_files"),
+        ("actor_rollout_ref.model.path=/nonexistent/model", "actor_rollout_ref.model.path"),
+        ("reward.custom_reward_function.path=/nonexistent/reward.py", "reward.custom_reward_function.path"),
+    ],
+)
+def test_printing_a_config_with_files_missing_here_warns_and_a_run_refuses(
+    missing, key, valid, monkeypatch, capsys, caplog
+):
+    """A cluster's command inspected on a laptop: ``--cfg job`` prints it and warns; the same command run stops."""
+    with pytest.raises(SystemExit) as stop:
+        launch([*valid, missing, "--cfg", "job"], monkeypatch)
+    assert stop.value.code == 0, capsys.readouterr().err
+    warned = [record.getMessage() for record in caplog.records if key in record.getMessage()]
+    assert len(warned) == 1 and "a run refuses it" in warned[0], caplog.text
+    with pytest.raises(SystemExit) as stop:
+        launch([*valid, missing], monkeypatch)
+    err = capsys.readouterr().err
+    assert stop.value.code == main_ppo.CONFIG_ERROR_EXIT and key in err, err

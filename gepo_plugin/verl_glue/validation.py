@@ -291,23 +291,48 @@ def _is_remote(path: str) -> bool:
     return "://" in path and not path.startswith(("file://", "pkg://"))
 
 
-def check_paths(config: DictConfig) -> None:
-    """The model, the data files and the reward function exist (remote URLs and Hub ids are not checked)."""
+def missing_local_files(config: DictConfig) -> list[str]:
+    """What the run would read from this machine and cannot find: the model, the data files, the reward file.
+
+    Remote URLs and Hub ids are not checked. A list, not an error: inspecting a cluster's command on a laptop
+    (``--cfg job``) reports them as warnings, a run refuses them (:func:`check_paths`).
+    """
+    missing = []
     model = _select(config, MODEL_PATH)
     if isinstance(model, str) and not _is_remote(model):
         local = os.path.expanduser(model)
         if not os.path.exists(local) and (
             os.path.isabs(local) or model.startswith((".", "~")) or not _HUB_ID.match(model)
         ):
-            raise PluginConfigError(
-                f"{MODEL_PATH}={model!r} is neither a local folder nor a Hugging Face Hub id (org/name)"
-            )
+            missing.append(f"{MODEL_PATH}={model!r} is neither a local folder nor a Hugging Face Hub id (org/name)")
     for key in DATA_FILE_KEYS:
         value = _select(config, key)
         paths = [value] if isinstance(value, str) else list(value or [])
         for path in paths:
             if isinstance(path, str) and not _is_remote(path) and not os.path.exists(os.path.expanduser(path)):
-                raise PluginConfigError(f"{key}: {path!r} does not exist (give the parquet files of your data set)")
+                missing.append(f"{key}: {path!r} does not exist (give the parquet files of your data set)")
+    reward = _select(config, f"{REWARD_FUNCTION}.path")
+    if reward and not str(reward).startswith("pkg://") and not os.path.isfile(os.path.expanduser(str(reward))):
+        missing.append(f"{REWARD_FUNCTION}.path={reward!r} does not exist")
+    return missing
+
+
+def check_paths(config: DictConfig, inspecting: bool = False) -> list[str]:
+    """The model, the data files and the reward function exist, and the reward function is defined in its file.
+
+    ``inspecting`` (``--cfg``, ``--package``, ``--resolve``: the config is only printed): files missing on this
+    machine are returned as warnings that say a run refuses them; otherwise they raise :class:`PluginConfigError`.
+    """
+    missing = missing_local_files(config)
+    if missing and not inspecting:
+        raise PluginConfigError("; ".join(missing))
+    warnings = [f"{problem} on this machine: a run refuses it (only printing here)" for problem in missing]
+    if not any(problem.startswith(f"{REWARD_FUNCTION}.path=") for problem in missing):
+        _check_reward_function(config)
+    return warnings
+
+
+def _check_reward_function(config: DictConfig) -> None:
     path, name = _select(config, f"{REWARD_FUNCTION}.path"), _select(config, f"{REWARD_FUNCTION}.name")
     if not path:
         return
@@ -316,9 +341,7 @@ def check_paths(config: DictConfig) -> None:
         if importlib.util.find_spec(module) is None:
             raise PluginConfigError(f"{REWARD_FUNCTION}.path={path!r}: no module {module!r} is installed")
         return
-    file = os.path.expanduser(str(path))
-    if not os.path.isfile(file):
-        raise PluginConfigError(f"{REWARD_FUNCTION}.path={path!r} does not exist")
+    file = os.path.expanduser(str(path))  # exists (missing_local_files)
     tree = ast.parse(Path(file).read_text(encoding="utf-8"), filename=file)
     defined = {
         node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
