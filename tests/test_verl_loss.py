@@ -110,3 +110,28 @@ def test_kl_coefficient_from_config_reaches_the_loss():
     kl = metrics[0]["actor/gepo/sampler_kl"].aggregate()
     assert kl > 0
     assert float((with_kl - base).detach()) == pytest.approx(0.5 * kl, rel=1e-6)
+
+
+def test_the_trainers_group_term_leaves_padding_out_of_its_metrics_and_matches_the_closed_form():
+    """verl pads a batch with copies of sample 0 (same uid): they must not change the term or count as responses."""
+    import math
+
+    import numpy as np
+
+    from gepo_plugin.verl_glue.trainers import compute_group_terms
+
+    uids = np.array(["p", "q", "p", "r", "q", "p", "p"], dtype=object)  # the last row: padding copying row 0
+    is_padding = [False] * 6 + [True]
+    gen = torch.Generator().manual_seed(3)
+    old = -torch.rand(7, 5, generator=gen, dtype=torch.float64)
+    mask = torch.ones(7, 5, dtype=torch.float64)
+    mask[1, 3:] = 0
+    log_eq, metrics = compute_group_terms(uids, old, mask, is_padding)
+    seq = [float((old[i] * mask[i]).sum() / mask[i].sum()) for i in range(7)]
+    # E_hat_q[q] = sum q^2 / sum q over the group's real responses (GEPO's q-weighted expectation of q)
+    members = {g: [seq[i] for i in range(6) if uids[i] == g] for g in "pqr"}
+    expected = {g: math.log(sum(math.exp(2 * v) for v in m) / sum(math.exp(v) for v in m)) for g, m in members.items()}
+    for i in range(6):
+        assert float(log_eq[i]) == pytest.approx(expected[uids[i]], rel=1e-6)
+    assert metrics["gepo/num_groups"] == 3.0
+    assert metrics["gepo/group_size_mean"] == pytest.approx(6 / 3)

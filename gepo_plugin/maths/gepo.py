@@ -151,7 +151,8 @@ def group_log_expectation_from_tokens(
     group_ids,
     valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Convenience: token-level sampler log-probs + group ids -> per-row ``log E_hat_q[q]``.
+    """Convenience: token-level sampler log-probs + group ids (or their :class:`GroupIndex`) -> per-row
+    ``log E_hat_q[q]``.
 
     Non-padding rows must have at least one response token; an empty real response is an error.
     """
@@ -172,7 +173,7 @@ def group_log_expectation_from_tokens(
             f"{int(empty_real.sum())} response(s) are empty (rows {rows}): a response with no token has no "
             "sequence probability. Drop them before training or mark them as padding."
         )
-    index = GroupIndex.from_ids(group_ids, device=old_log_prob.device)
+    index = group_ids if isinstance(group_ids, GroupIndex) else GroupIndex.from_ids(group_ids, old_log_prob.device)
     if index.inverse.shape[0] != fmask.shape[0]:
         raise GEPOInputError(f"{index.inverse.shape[0]} group ids for {fmask.shape[0]} responses")
     s = (old_log_prob.to(dtype) * fmask).sum(dim=-1) / lengths.clamp(min=1)

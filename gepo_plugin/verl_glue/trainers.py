@@ -38,11 +38,13 @@ logger = logging.getLogger(__name__)
 def compute_group_terms(uids: np.ndarray, old_log_probs: torch.Tensor, response_mask: torch.Tensor, is_padding):
     """Per-sample ``log E_hat_q[q]`` of each prompt group plus summary metrics (framework-free inputs)."""
     valid = torch.as_tensor(~np.asarray(is_padding, dtype=bool))
-    log_eq = group_log_expectation_from_tokens(old_log_probs, response_mask, uids, valid=valid)
-    index = GroupIndex.from_ids(np.asarray(uids, dtype=object)[valid.numpy()])
+    index = GroupIndex.from_ids(uids)  # one index for the term and its metrics (padding rows copy a real uid)
+    log_eq = group_log_expectation_from_tokens(old_log_probs, response_mask, index, valid=valid)
+    real_sizes = torch.bincount(index.inverse[valid], minlength=index.num_groups)
+    real_sizes = real_sizes[real_sizes > 0]
     metrics = {
-        "gepo/num_groups": float(index.num_groups),
-        "gepo/group_size_mean": float(index.sizes.float().mean()),
+        "gepo/num_groups": float(real_sizes.numel()),
+        "gepo/group_size_mean": float(real_sizes.float().mean()),
         "gepo/log_group_expectation_mean": float(log_eq[valid].mean()),
     }
     return log_eq.to(torch.float32), metrics
