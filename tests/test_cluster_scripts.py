@@ -246,6 +246,7 @@ def run_job(tmp_path: Path, gpus_answers: list[str], extra: dict[str, str] | Non
     launch = repo / "examples/hetero/run_qwen3_1.7b_gepo_math.sh"
     launch.parent.mkdir(parents=True)
     launch.write_text(FAKE_LAUNCH)
+    (repo / "examples/common.sh").write_text((ROOT / "examples/common.sh").read_text())  # the job sources it
     bin_dir = fake_bin(
         tmp_path,
         {

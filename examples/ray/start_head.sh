@@ -21,11 +21,9 @@
 # `ray status`, then run the launch script on this node.
 set -euo pipefail
 
-if [[ "${1:-}" == "--print-command" ]]; then
-  PRINT_ONLY=1
-  shift
-fi
-PRINT_ONLY="${PRINT_ONLY:-0}"
+# shellcheck source=../common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+if gepo_print_flag "${1:-}"; then shift; fi
 
 NODE_IP="${NODE_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}"
 NODE_IP="${NODE_IP:-127.0.0.1}"
@@ -43,24 +41,9 @@ COMMAND=(ray start --head
   --port="$RAY_PORT"
   --dashboard-host=0.0.0.0
   --dashboard-port="$DASHBOARD_PORT"
-  --ray-client-server-port="$RAY_CLIENT_PORT"
-  --num-gpus="$NUM_GPUS")
-if [[ -n "${RAY_NUM_CPUS:-}" ]]; then
-  COMMAND+=(--num-cpus="$RAY_NUM_CPUS")
-fi
-if [[ -n "$NODE_ROLE" ]]; then
-  COMMAND+=(--labels="gepo-role=$NODE_ROLE")
-fi
-if [[ "$RAY_BLOCK" == 1 ]]; then
-  COMMAND+=(--block)
-fi
-# shellcheck disable=SC2206  # word splitting of RAY_EXTRA_ARGS is intended
-COMMAND+=(${RAY_EXTRA_ARGS:-} "$@")
+  --ray-client-server-port="$RAY_CLIENT_PORT")
+gepo_ray_start_options "$@"
 
-if [[ "$PRINT_ONLY" == 1 ]]; then
-  printf '%q ' "${COMMAND[@]}"
-  printf '\n'
-  exit 0
-fi
+gepo_print_only_exit "${COMMAND[@]}"
 echo "starting the Ray head at $NODE_IP:$RAY_PORT with $NUM_GPUS GPUs (dashboard :$DASHBOARD_PORT)"
 "${COMMAND[@]}"

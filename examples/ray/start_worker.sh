@@ -16,11 +16,9 @@
 #   PRINT_ONLY [0]: 1 (or --print-command) prints the `ray start` command instead of running it
 set -euo pipefail
 
-if [[ "${1:-}" == "--print-command" ]]; then
-  PRINT_ONLY=1
-  shift
-fi
-PRINT_ONLY="${PRINT_ONLY:-0}"
+# shellcheck source=../common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+if gepo_print_flag "${1:-}"; then shift; fi
 
 if [[ -z "${RAY_HEAD_ADDRESS:-}" ]]; then
   echo "set RAY_HEAD_ADDRESS=<head ip>:<port> (what start_head.sh printed)" >&2
@@ -36,24 +34,9 @@ RAY_BLOCK="${RAY_BLOCK:-0}"
 
 COMMAND=(ray start
   --address="$RAY_HEAD_ADDRESS"
-  --node-ip-address="$NODE_IP"
-  --num-gpus="$NUM_GPUS")
-if [[ -n "${RAY_NUM_CPUS:-}" ]]; then
-  COMMAND+=(--num-cpus="$RAY_NUM_CPUS")
-fi
-if [[ -n "$NODE_ROLE" ]]; then
-  COMMAND+=(--labels="gepo-role=$NODE_ROLE")
-fi
-if [[ "$RAY_BLOCK" == 1 ]]; then
-  COMMAND+=(--block)
-fi
-# shellcheck disable=SC2206  # word splitting of RAY_EXTRA_ARGS is intended
-COMMAND+=(${RAY_EXTRA_ARGS:-} "$@")
+  --node-ip-address="$NODE_IP")
+gepo_ray_start_options "$@"
 
-if [[ "$PRINT_ONLY" == 1 ]]; then
-  printf '%q ' "${COMMAND[@]}"
-  printf '\n'
-  exit 0
-fi
+gepo_print_only_exit "${COMMAND[@]}"
 echo "joining the Ray cluster at $RAY_HEAD_ADDRESS as $NODE_IP with $NUM_GPUS GPUs (role ${NODE_ROLE:-none})"
 "${COMMAND[@]}"
