@@ -65,6 +65,8 @@ FULL_DETERMINISM = f"{ROLLOUT}.full_determinism"
 CHECKPOINT_ENGINE_BACKEND = f"{ROLLOUT}.checkpoint_engine.backend"
 #: The CPU backend's transformers rollout options.
 HF_ROLLOUT_OPTIONS = f"{ROLLOUT}.engine_kwargs.hf"
+#: Its latency model (a modelled GPU's generation time).
+HF_ROLLOUT_LATENCY = f"{HF_ROLLOUT_OPTIONS}.latency"
 
 # ---------------------------------------------------------------- data, model, reward
 TRAIN_BATCH_SIZE = "data.train_batch_size"

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from gepo_plugin import config_keys
+from gepo_plugin.cpu_backend.rollout.latency import LatencyOptions
 from gepo_plugin.options import STRICT_BLOCK, OptionsError, parse_options
 
 #: Where the block lives in verl's config (``+actor_rollout_ref.rollout.engine_kwargs.hf.<option>=...``).
@@ -36,6 +37,11 @@ class HFRolloutOptions(BaseModel):
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the served model's dtype")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers attention")
+    latency: LatencyOptions | None = Field(
+        None,
+        description="answer each request when a modelled GPU would have finished it (decode_tokens_per_s, "
+        "prefill_s, batch_slowdown); off by default. Tokens are still generated for real; the wait uses no CPU",
+    )
 
     def batch_size(self, max_num_seqs: int, full_determinism: bool) -> int:
         """The batch size a server uses: 1 under full determinism, else the option or verl's ``max_num_seqs``."""

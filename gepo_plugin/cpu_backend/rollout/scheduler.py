@@ -12,12 +12,17 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from verl.workers.rollout.replica import TokenOutput
 
+from gepo_plugin.cpu_backend.rollout.latency import LatencyOptions, finish_offsets
 from gepo_plugin.cpu_backend.rollout.sampling import SamplingSpec
 
 logger = logging.getLogger(__name__)
+
+#: How often a request held back for the modelled GPU looks for an abort (seconds).
+ABORT_POLL_S = 0.05
 
 
 @dataclass(eq=False)
@@ -68,10 +73,20 @@ class RequestScheduler:
         max_batch_size: the most requests decoded together.
         batch_wait_s: how long to wait for more requests once one arrived (requests sent together share a batch).
         make_output: builds a request's answer (the server stamps its weights' version on it).
+        latency: a modelled GPU (:mod:`.latency`): answers wait until it would have finished them; None: at once.
     """
 
-    def __init__(self, max_batch_size: int, batch_wait_s: float, make_output: MakeOutput) -> None:
+    def __init__(
+        self,
+        max_batch_size: int,
+        batch_wait_s: float,
+        make_output: MakeOutput,
+        latency: LatencyOptions | None = None,
+    ) -> None:
         self.max_batch_size = max_batch_size
+        self.latency = latency
+        #: Seconds answers were held back for the modelled GPU (0 without a latency model).
+        self.modelled_wait_s = 0.0
         self.batch_wait_s = batch_wait_s
         self._make_output = make_output
         self.submission_paused = False
@@ -157,7 +172,10 @@ class RequestScheduler:
                 self.batches += 1
                 self.largest_batch = max(self.largest_batch, len(batch))
                 async with self.engine_lock:
-                    await asyncio.to_thread(generate_batch, batch, finish)
+                    if self.latency is None:
+                        await asyncio.to_thread(generate_batch, batch, finish)
+                    else:
+                        await self._generate_at_modelled_speed(generate_batch, batch)
             except Exception as error:
                 logger.exception("generation failed for %d requests", len(batch))
                 for request in batch:
@@ -165,6 +183,21 @@ class RequestScheduler:
                         self.resolve(request, error)
             finally:
                 self.running = []
+
+    async def _generate_at_modelled_speed(self, generate_batch: GenerateBatch, batch: list[GenerationRequest]) -> None:
+        """Generate for real, then answer each request at its modelled finish time and hold the engine until the
+        modelled batch is over. An abort answers at once (with the tokens generated for real)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        ended: list[tuple[GenerationRequest, str]] = []
+        await asyncio.to_thread(generate_batch, batch, lambda request, reason: ended.append((request, reason)))
+        offsets = finish_offsets(np.array([len(request.token_ids) for request, _ in ended]), self.latency)
+        for index in np.argsort(offsets, kind="stable"):
+            request, reason = ended[index]
+            while not request.abort_requested and (left := started + offsets[index] - loop.time()) > 0:
+                await asyncio.sleep(min(left, ABORT_POLL_S))
+            self.resolve(request, self._make_output(request, reason))
+        self.modelled_wait_s += max(0.0, loop.time() - started)
 
     async def wait_idle(self, poll_s: float = 0.005) -> None:
         """Return once no request is waiting or being generated."""

@@ -25,7 +25,6 @@ from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
 from gepo_plugin.cpu_backend.rollout.batch_generation import BatchGenerator
 from gepo_plugin.cpu_backend.rollout.profiling import RolloutProfiler
-from gepo_plugin.cpu_backend.rollout.sampling import SamplingSpec
 from gepo_plugin.cpu_backend.rollout.sampling_params import SamplingParamsParser, check_prompt_ids, deterministic_seed
 from gepo_plugin.cpu_backend.rollout.scheduler import GenerationRequest, RequestScheduler, token_output
 from gepo_plugin.cpu_backend.rollout.settings import ENGINE_KWARGS_KEY, ServerSettings, hf_options
@@ -73,7 +72,9 @@ class HFGenerationServer:
         self._generator = torch.Generator().manual_seed(int(self.config.seed) + replica_rank)
         self._sleeping = False
         self._params = SamplingParamsParser(self.config, self.settings.max_model_len, self.settings.eos_token_ids)
-        self._scheduler = RequestScheduler(self.settings.max_batch_size, self.settings.batch_wait_s, self._output)
+        self._scheduler = RequestScheduler(
+            self.settings.max_batch_size, self.settings.batch_wait_s, self._output, self.settings.options.latency
+        )
         self._profiler = RolloutProfiler(self.config, replica_rank)
 
         # a unique host:port identity for the load balancer (no HTTP endpoint is served); holding the
@@ -125,6 +126,7 @@ class HFGenerationServer:
             "global_steps": self.global_steps,
             "batches": scheduler.batches,
             "largest_batch": scheduler.largest_batch,
+            "modelled_wait_s": scheduler.modelled_wait_s,
         }
 
     # ---------------------------------------------------------------- generation
@@ -158,7 +160,7 @@ class HFGenerationServer:
             logger.debug("ignoring generate() arguments %s", sorted(kwargs))
         prompt_ids = check_prompt_ids(prompt_ids, self.vocab_size)
         occurrence = self._params.occurrence(request_id, prompt_ids)
-        spec = self.parse_sampling_params(len(prompt_ids), dict(sampling_params), request_id, prompt_ids, occurrence)
+        spec = self._params.parse(len(prompt_ids), dict(sampling_params), request_id, prompt_ids, occurrence)
 
         rejected = await self._scheduler.park_until_admitted(request_id)
         if rejected is not None:
@@ -166,17 +168,6 @@ class HFGenerationServer:
         if self._scheduler.task is None:
             raise RuntimeError("launch_server() must be called before generate()")
         return await self._scheduler.submit(request_id, prompt_ids, spec)
-
-    def parse_sampling_params(
-        self,
-        prompt_len: int,
-        params: dict[str, Any],
-        request_id: str = "",
-        prompt_ids: Iterable[int] = (),
-        occurrence: int = 0,
-    ) -> SamplingSpec:
-        """Validate one request's sampling parameters (:meth:`.SamplingParamsParser.parse`)."""
-        return self._params.parse(prompt_len, params, request_id, prompt_ids, occurrence)
 
     def _output(self, request: GenerationRequest | None, stop_reason: str) -> TokenOutput:
         """A request's answer, stamped with the version of the weights served now."""

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
-from gepo_plugin.config_keys import HETERO
+from gepo_plugin.config_keys import HETERO, HF_ROLLOUT_LATENCY
 from gepo_plugin.hetero.lag_buckets import finalize_lag_metrics
 from gepo_plugin.hetero.lags import response_lags
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
@@ -182,6 +183,8 @@ class HeteroMixin:
             "replay_buffer": self._hetero_buffer().state_dict(),
             "samplers": samplers,
             "server_groups": dict(self._server_groups()),
+            # the CPU rollout's modelled GPU, if any: the run's timings mean nothing without it
+            "rollout_latency": _plain(OmegaConf.select(self.config, HF_ROLLOUT_LATENCY, default=None)),
         }
 
     def load_hetero_state(self, state: dict) -> None:
@@ -223,6 +226,11 @@ class HeteroMixin:
             ledger["trained"],
         )
         return None
+
+
+def _plain(node: Any) -> Any:
+    """A config node as plain JSON-able data (None stays None)."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def load_recording_folder(trainer, load_checkpoint) -> str | None:

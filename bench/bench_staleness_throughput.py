@@ -1,0 +1,169 @@
+"""Benchmark: what each step of allowed staleness buys, with verl's real trainer and a modelled GPU sampler, on CPU.
+
+On 2 CPU cores the samplers and the learner compete for the same cores, so wall time cannot show the speed-up of
+running them apart. The CPU rollout's latency model (``rollout.engine_kwargs.hf.latency``) makes it measurable:
+tokens are generated for real, but each request is answered when a modelled GPU would have finished it, and the
+wait uses no CPU. The learner's update stays real CPU time.
+
+Runs (same tiny model, data and seed): verl's ``sync`` trainer (the rollout on the learner), then HeteroRL on
+verl's ``separate_async`` with ``max_lag`` in ``--lags``, each ``--strategies`` and each ``--samplers`` count.
+Per run: trained response tokens per second (over the steps after ``--skip``), the learner's idle time per step
+(``timing_s/gen``: waiting for finished rollouts) and the trained groups' lag (mean, max).
+
+    python bench/bench_staleness_throughput.py                      # the README's sweep (about 35 minutes)
+    python bench/bench_staleness_throughput.py --lags 0 2 --samplers 2 --strategies wait --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+from verl_runs import run_summary
+
+from gepo_plugin.tiny import cpu_run_overrides, run_cpu_training, write_all
+
+
+def latency_overrides(args: argparse.Namespace) -> list[str]:
+    key = "+actor_rollout_ref.rollout.engine_kwargs.hf.latency"
+    return [
+        f"{key}.decode_tokens_per_s={args.decode_tokens_per_s}",
+        f"{key}.prefill_s={args.prefill_s}",
+        f"{key}.batch_slowdown={args.batch_slowdown}",
+    ]
+
+
+def run_overrides(tiny: dict[str, str], args: argparse.Namespace, lag: int | None, strategy: str, samplers: int):
+    """``lag`` None: verl's sync trainer; otherwise HeteroRL with that bound."""
+    mode = "sync" if lag is None else "separate_async"
+    overrides = [
+        *cpu_run_overrides(tiny, loss=args.loss, mode=mode, steps=args.steps, learners=1),
+        *latency_overrides(args),
+        f"trainer.experiment_name=staleness_{mode}_{lag}_{strategy}_{samplers}",
+    ]
+    if lag is None:
+        return overrides
+    return [
+        *overrides,
+        "trainer.v1.separate_async.parameter_sync_step=1",
+        "actor_rollout_ref.rollout.nnodes=1",
+        f"actor_rollout_ref.rollout.n_gpus_per_node={samplers}",
+        "hetero.enable=true",
+        f"hetero.max_lag={lag}",
+        f"hetero.strategy={strategy}",
+    ]
+
+
+def sweep(args: argparse.Namespace) -> list[dict]:
+    configs = [(None, "-", 0)]
+    configs += [(lag, strategy, n) for n, strategy, lag in itertools.product(args.samplers, args.strategies, args.lags)]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_staleness_") as folder:
+        tiny = write_all(Path(folder) / "tiny")
+        for index, (lag, strategy, samplers) in enumerate(tqdm(configs, desc="runs", unit="run")):
+            overrides = run_overrides(tiny, args, lag, strategy, samplers)
+            code, metrics, log = run_cpu_training(overrides, Path(folder) / f"run_{index}", timeout_s=1200)
+            if code != 0:
+                raise RuntimeError(f"run {lag=} {strategy=} {samplers=} failed (exit {code}):\n{log[-4000:]}")
+            mode = "sync" if lag is None else "hetero"
+            rows.append(
+                {"mode": mode, "max_lag": lag, "strategy": strategy, "samplers": samplers}
+                | run_summary(metrics, args.skip)
+            )
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    sync = next(row for row in rows if row["mode"] == "sync")
+    print(
+        f"\n{'mode':<8}{'samplers':>9}{'strategy':>9}{'max_lag':>8}{'tokens/s':>10}{'x sync':>8}{'idle s':>8}"
+        f"{'lag mean':>9}{'lag max':>8}"
+    )
+    for row in rows:
+        lag = "-" if row["max_lag"] is None else row["max_lag"]
+        print(
+            f"{row['mode']:<8}{row['samplers']:>9}{row['strategy']:>9}{lag:>8}{row['tokens_per_s']:>10.1f}"
+            f"{row['tokens_per_s'] / sync['tokens_per_s']:>8.2f}{row['idle_s']:>8.2f}{row['lag_mean']:>9.2f}"
+            f"{row['lag_max']:>8.0f}"
+        )
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sync = next(row for row in rows if row["mode"] == "sync")
+    fig, axis = plt.subplots(figsize=(6, 3.6))
+    for index, (key, group) in enumerate(
+        itertools.groupby([r for r in rows if r["mode"] == "hetero"], key=lambda r: (r["samplers"], r["strategy"]))
+    ):
+        group = list(group)
+        axis.plot(
+            [r["max_lag"] for r in group],
+            [r["tokens_per_s"] / sync["tokens_per_s"] for r in group],
+            marker="o",
+            color=f"C{index}",
+            label=f"{key[0]} samplers, {key[1]}",
+        )
+    axis.axhline(1.0, color="gray", linestyle="--", label="sync")
+    axis.set_xlabel("hetero.max_lag (weight versions)")
+    axis.set_ylabel("trained tokens/s vs sync")
+    axis.set_xscale("symlog", linthresh=1)
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--lags", type=int, nargs="+", default=[0, 1, 2, 4, 8], help="max_lag values (default 0 1 2 4 8)"
+    )
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        default=["wait", "drop"],
+        choices=["wait", "drop"],
+        help="hetero.strategy values (default wait drop)",
+    )
+    parser.add_argument("--samplers", type=int, nargs="+", default=[2, 4], help="rollout replicas (default 2 4)")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
+    parser.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up; default 2)")
+    parser.add_argument("--loss", default="gepo", help="algorithm.loss of every run (default gepo)")
+    parser.add_argument(
+        "--decode-tokens-per-s",
+        type=float,
+        default=16.0,
+        help="modelled decode speed of one sequence (default 16: the tiny model's 8-token answers "
+        "take 0.5 s, about one learner update on 2 cores)",
+    )
+    parser.add_argument("--prefill-s", type=float, default=0.1, help="modelled prefill per batch (default 0.1 s)")
+    parser.add_argument(
+        "--batch-slowdown",
+        type=float,
+        default=0.02,
+        help="modelled slowdown per further sequence in a batch (default 0.02)",
+    )
+    parser.add_argument("--json", help="also write every run's summary to this JSON file")
+    parser.add_argument("--png", help="also draw throughput against max_lag to this PNG (needs matplotlib)")
+    args = parser.parse_args(argv)
+    if args.steps <= args.skip:
+        parser.error("--steps must be larger than --skip")
+    rows = sweep(args)
+    report(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
+    if args.png:
+        plot(rows, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

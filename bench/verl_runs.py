@@ -1,0 +1,28 @@
+"""What a CPU training run of verl's trainer measured, from its tracker's metrics: one summary for every benchmark."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def run_summary(metrics: dict[int, dict], skip: int) -> dict[str, float]:
+    """Medians and totals over the steps after the first ``skip`` (they compile and warm up).
+
+    ``step_s``: median ``timing_s/step``; ``idle_s``: median ``timing_s/gen`` (the learner waiting for finished
+    rollouts); ``tokens_per_s``: trained response tokens over the summed step time; ``lag_mean`` / ``lag_max``:
+    HeteroRL's trained-group lag (0 without HeteroRL); ``dropped``: groups HeteroRL dropped by the last step.
+    """
+    steps = [m for step, m in sorted(metrics.items()) if step > skip and "timing_s/step" in m]
+    if not steps:
+        raise RuntimeError(f"no step after the first {skip} reported timing_s/step: run more steps")
+    seconds = sum(m["timing_s/step"] for m in steps)
+    tokens = sum(m.get("response_length/mean", 0.0) * m.get("response_length/count", 0.0) for m in steps)
+    return {
+        "steps": len(steps),
+        "step_s": statistics.median(m["timing_s/step"] for m in steps),
+        "idle_s": statistics.median(m.get("timing_s/gen", 0.0) for m in steps),
+        "tokens_per_s": tokens / seconds,
+        "lag_mean": statistics.mean(m.get("hetero/lag/mean", 0.0) for m in steps),
+        "lag_max": max(m.get("hetero/lag/max", 0.0) for m in steps),
+        "dropped": max(m.get("hetero/dropped", 0.0) for m in steps),
+    }
