@@ -1,11 +1,18 @@
-# Sourced by the example scripts (never run on its own): the --print-command switch, printing or running a command,
-# the math recipe's defaults and override blocks, and the options every `ray start` gets. One place, so the sync
-# and HeteroRL recipes, and the Ray head and worker, cannot drift apart.
+# Sourced by the example scripts (never run on its own). Why it exists: the sync and HeteroRL math recipes share
+# their defaults and most of their Hydra overrides, and the Ray head and worker share their node settings (address,
+# GPU count, role label, --block, extra arguments) and the --print-command / PRINT_ONLY handling; kept once here,
+# they cannot drift apart. Each script sources it relative to its own location,
+#     source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+# except the Slurm job, which Slurm runs as a copy elsewhere: it sources "$REPO_DIR/examples/common.sh".
+# The override blocks are arrays the scripts splice into their command in the order they print it, so the
+# printed commands stay exactly what they were before this file existed (tests/test_examples.py resolves them).
+# Everything here runs inside the sourcing script's `set -euo pipefail`; `exit` in a function ends that script.
 # shellcheck shell=bash disable=SC2034  # the arrays and defaults set here are read by the sourcing script
 
 # ---------------------------------------------------------------- printing or running
 
-# `if gepo_print_flag "${1:-}"; then shift; fi`: --print-command as the first argument means PRINT_ONLY=1.
+# `if gepo_print_flag "${1:-}"; then shift; fi`: --print-command as the first argument means PRINT_ONLY=1;
+# otherwise PRINT_ONLY keeps its value from the environment (default 0).
 gepo_print_flag() {
   if [[ "$1" == "--print-command" ]]; then
     PRINT_ONLY=1
@@ -38,7 +45,7 @@ gepo_math_defaults() {
   DATA_DIR="${DATA_DIR:-$HOME/data/gepo_math}"
   TRAIN_FILE="${TRAIN_FILE:-$DATA_DIR/train.parquet}"
   VAL_FILE="${VAL_FILE:-$DATA_DIR/test.parquet}"
-  # Qwen3-1.7B fits one GPU: one vLLM replica per GPU (verl's default TP is 2)
+  # Qwen3-1.7B fits one GPU: one vLLM replica per GPU (notes silent; verl's default TP is 2)
   ROLLOUT_TP="${ROLLOUT_TP:-1}"
   PROMPTS_PER_STEP="${PROMPTS_PER_STEP:-32}"
   GROUP_SIZE="${GROUP_SIZE:-8}"
@@ -54,8 +61,16 @@ gepo_math_defaults() {
   PROJECT_NAME="${PROJECT_NAME:-gepo_hetero}"
 }
 
-# The override blocks both math scripts share, as arrays DATA, ALGORITHM, MODEL, OPTIM, SAMPLING, REWARD, TRAINER
-# (call after the defaults and EXPERIMENT_NAME, CKPT_DIR, SAMPLER_KL_COEF, PPO_MINI_BATCH_SIZE are set).
+# gepo_math_names DEFAULT: EXPERIMENT_NAME (DEFAULT unless set) and CKPT_DIR (checkpoints/<project>/<experiment>).
+gepo_math_names() {
+  EXPERIMENT_NAME="${EXPERIMENT_NAME:-$1}"
+  CKPT_DIR="${CKPT_DIR:-checkpoints/${PROJECT_NAME}/${EXPERIMENT_NAME}}"
+}
+
+# The override blocks both math scripts share, as arrays DATA, ALGORITHM, MODEL, OPTIM, ROLLOUT_ENGINE, ROLLOUT,
+# VALIDATION, REWARD, TRAINER; each script splices them, with its own overrides between them, into its command
+# (call after gepo_math_defaults, gepo_math_names and the scripts' SAMPLER_KL_COEF, ROLLOUT_GPU_MEMORY and
+# PPO_MINI_BATCH_SIZE).
 gepo_math_blocks() {
   DATA=(
     data.train_files="$TRAIN_FILE"
@@ -89,14 +104,15 @@ gepo_math_blocks() {
     actor_rollout_ref.actor.ppo_epochs=1
     actor_rollout_ref.actor.use_dynamic_bsz=True
     actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$PPO_MAX_TOKENS_PER_GPU"
-    # lr 1e-6 constant with 3% warm-up (paper); weight decay 0 as in the reference's HF-Trainer defaults
+    # lr 1e-6 constant (the schedule's key depends on the engine: the scripts set it) with 3% warm-up (paper)
     actor_rollout_ref.actor.optim.lr="$LR"
     actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.03
-    actor_rollout_ref.actor.optim.weight_decay=0.0
   )
-  SAMPLING=(
+  ROLLOUT_ENGINE=(
     actor_rollout_ref.rollout.name=vllm
     actor_rollout_ref.rollout.mode=async
+  )
+  ROLLOUT=(
     actor_rollout_ref.rollout.tensor_model_parallel_size="$ROLLOUT_TP"
     actor_rollout_ref.rollout.gpu_memory_utilization="$ROLLOUT_GPU_MEMORY"
     actor_rollout_ref.rollout.n="$GROUP_SIZE"
@@ -104,6 +120,8 @@ gepo_math_blocks() {
     actor_rollout_ref.rollout.top_p=0.95
     actor_rollout_ref.rollout.top_k=20
     actor_rollout_ref.rollout.calculate_log_probs=True
+  )
+  VALIDATION=(
     # evaluation: pass@1 averaged over 8 samples with the training sampling parameters (paper)
     actor_rollout_ref.rollout.val_kwargs.n=8
     actor_rollout_ref.rollout.val_kwargs.do_sample=True
@@ -151,6 +169,45 @@ gepo_exec() {
 }
 
 # ---------------------------------------------------------------- `ray start` on a node of the cluster
+
+# gepo_ray_node DEFAULT_ROLE: the settings head and worker share. NODE_IP [first address of `hostname -I`, else
+# 127.0.0.1]; NUM_GPUS (gepo_num_gpus); NODE_ROLE [DEFAULT_ROLE; empty = no label]; RAY_BLOCK [0].
+gepo_ray_node() {
+  NODE_IP="${NODE_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}"
+  NODE_IP="${NODE_IP:-127.0.0.1}"
+  gepo_num_gpus
+  NODE_ROLE="${NODE_ROLE-$1}"
+  RAY_BLOCK="${RAY_BLOCK:-0}"
+}
+
+# Sets NUM_GPUS, the GPUs given to Ray: NUM_GPUS if set (a whole number; 0 is fine for a node without GPUs), else
+# what `nvidia-smi -L` lists. No silent 0: a node where the count cannot be detected (no nvidia-smi, or it fails
+# or lists none) is an error unless NUM_GPUS says so. SCRIPT_NAME names the calling script in the messages.
+gepo_num_gpus() {
+  local gpu_list
+  if [[ -z "${NUM_GPUS:-}" ]]; then
+    if ! command -v nvidia-smi >/dev/null 2>&1; then
+      echo "$SCRIPT_NAME: nvidia-smi is not on PATH, so the GPU count cannot be detected: set NUM_GPUS" \
+        "(NUM_GPUS=0 for a node without GPUs)" >&2
+      exit 2
+    fi
+    if ! gpu_list="$(nvidia-smi -L 2>&1)"; then
+      echo "$SCRIPT_NAME: \`nvidia-smi -L\` failed (${gpu_list:-no output}): set NUM_GPUS (NUM_GPUS=0 for no GPUs)" >&2
+      exit 2
+    fi
+    NUM_GPUS="$(grep -c '^GPU' <<<"$gpu_list" || true)"
+    if ((NUM_GPUS == 0)); then
+      echo "$SCRIPT_NAME: nvidia-smi lists no GPUs: set NUM_GPUS (NUM_GPUS=0 to start without GPUs)" >&2
+      exit 2
+    fi
+    echo "$SCRIPT_NAME: detected $NUM_GPUS GPUs with nvidia-smi" >&2
+  elif [[ ! "$NUM_GPUS" =~ ^[0-9]+$ ]]; then
+    echo "$SCRIPT_NAME: NUM_GPUS=$NUM_GPUS is not a whole number" >&2
+    exit 2
+  else
+    echo "$SCRIPT_NAME: using NUM_GPUS=$NUM_GPUS GPUs" >&2
+  fi
+}
 
 # Append to COMMAND the options head and worker share: GPUs, CPUs, the role label, --block, extra arguments.
 # Reads NUM_GPUS, RAY_NUM_CPUS, NODE_ROLE, RAY_BLOCK, RAY_EXTRA_ARGS; further arguments are appended last.

@@ -32,11 +32,11 @@
 #   PRINT_ONLY [0]  1 (or --print-command as the first argument): print the command instead of running it
 # Extra Hydra overrides go after the script's own and win: ./run_qwen3_1.7b_gepo_math.sh hetero.max_lag=8
 set -euo pipefail
-# shellcheck source=../common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+# shellcheck source-path=SCRIPTDIR source=../common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"  # the defaults, override blocks and helpers shared by the examples
 if gepo_print_flag "${1:-}"; then shift; fi
 
-gepo_math_defaults
+gepo_math_defaults  # MODEL_PATH, DATA_DIR, ROLLOUT_TP, the paper's settings, ...: see ../common.sh
 
 # ---- layout: learner nodes and sampler nodes ----
 LEARNER_NODES="${LEARNER_NODES:-1}"
@@ -67,8 +67,7 @@ HETERO_SEED="${HETERO_SEED:-0}"
 
 # ---- GEPO paper settings (arXiv 2508.17850, https://arxiv.org/abs/2508.17850; the rest in ../common.sh) ----
 SAMPLER_KL_COEF="${SAMPLER_KL_COEF:-0.005}"
-EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3-1.7b-gepo-math-L${LEARNER_NODES}S${SAMPLER_NODES}-lag${MAX_LAG}-${DELAY}}"
-CKPT_DIR="${CKPT_DIR:-checkpoints/${PROJECT_NAME}/${EXPERIMENT_NAME}}"
+gepo_math_names "qwen3-1.7b-gepo-math-L${LEARNER_NODES}S${SAMPLER_NODES}-lag${MAX_LAG}-${DELAY}"
 
 # one entry per sampler group, each the number of rollout replicas it holds
 replicas_per_node=$((SAMPLER_GPUS_PER_NODE / ROLLOUT_TP))
@@ -90,12 +89,14 @@ SAMPLER_GROUPS="${SAMPLER_GROUPS:-[$(IFS=,; echo "${groups[*]}")]}"
 PARAMETER_SYNC_STEP=1
 PPO_MINI_BATCH_SIZE=$((PROMPTS_PER_STEP / PARAMETER_SYNC_STEP))
 
-gepo_math_blocks
+gepo_math_blocks  # DATA, ALGORITHM, MODEL, OPTIM, ROLLOUT_ENGINE, ROLLOUT, VALIDATION, REWARD, TRAINER
 
 LEARNER=(
   "${MODEL[@]}"
   actor_rollout_ref.hybrid_engine="$HYBRID_ENGINE"
   "${OPTIM[@]}"
+  # weight decay 0 as in the reference's HF-Trainer defaults
+  actor_rollout_ref.actor.optim.weight_decay=0.0
   trainer.nnodes="$LEARNER_NODES"
   trainer.n_gpus_per_node="$LEARNER_GPUS_PER_NODE"
 )
@@ -126,10 +127,12 @@ case "$LEARNER_ENGINE" in
 esac
 
 SAMPLERS=(
-  "${SAMPLING[@]}"
+  "${ROLLOUT_ENGINE[@]}"
   actor_rollout_ref.rollout.nnodes="$SAMPLER_NODES"
   actor_rollout_ref.rollout.n_gpus_per_node="$SAMPLER_GPUS_PER_NODE"
+  "${ROLLOUT[@]}"
   actor_rollout_ref.rollout.checkpoint_engine.backend=nccl
+  "${VALIDATION[@]}"
 )
 
 ASYNC=(

@@ -21,20 +21,16 @@
 # `ray status`, then run the launch script on this node.
 set -euo pipefail
 
-# shellcheck source=../common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+# shellcheck source-path=SCRIPTDIR source=../common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"  # the helpers shared by the examples
 if gepo_print_flag "${1:-}"; then shift; fi
 
-NODE_IP="${NODE_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}"
-NODE_IP="${NODE_IP:-127.0.0.1}"
 RAY_PORT="${RAY_PORT:-6379}"
 DASHBOARD_PORT="${DASHBOARD_PORT:-8265}"
 RAY_CLIENT_PORT="${RAY_CLIENT_PORT:-10001}"
-SCRIPT_NAME=start_head.sh
-# shellcheck source=gpu_count.sh
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_count.sh"  # sets NUM_GPUS (detected, or refused when it cannot be)
-NODE_ROLE="${NODE_ROLE-learner}"
-RAY_BLOCK="${RAY_BLOCK:-0}"
+SCRIPT_NAME=start_head.sh  # (names this script in gepo_num_gpus's messages)
+# NODE_IP, NUM_GPUS (detected, or refused when it cannot be), NODE_ROLE [learner], RAY_BLOCK: see ../common.sh
+gepo_ray_node learner
 
 COMMAND=(ray start --head
   --node-ip-address="$NODE_IP"

@@ -16,21 +16,17 @@
 #   PRINT_ONLY [0]: 1 (or --print-command) prints the `ray start` command instead of running it
 set -euo pipefail
 
-# shellcheck source=../common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+# shellcheck source-path=SCRIPTDIR source=../common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"  # the helpers shared by the examples
 if gepo_print_flag "${1:-}"; then shift; fi
 
 if [[ -z "${RAY_HEAD_ADDRESS:-}" ]]; then
   echo "set RAY_HEAD_ADDRESS=<head ip>:<port> (what start_head.sh printed)" >&2
   exit 2
 fi
-NODE_IP="${NODE_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}"
-NODE_IP="${NODE_IP:-127.0.0.1}"
-SCRIPT_NAME=start_worker.sh
-# shellcheck source=gpu_count.sh
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_count.sh"  # sets NUM_GPUS (detected, or refused when it cannot be)
-NODE_ROLE="${NODE_ROLE-sampler}"
-RAY_BLOCK="${RAY_BLOCK:-0}"
+SCRIPT_NAME=start_worker.sh  # (names this script in gepo_num_gpus's messages)
+# NODE_IP, NUM_GPUS (detected, or refused when it cannot be), NODE_ROLE [sampler], RAY_BLOCK: see ../common.sh
+gepo_ray_node sampler
 
 COMMAND=(ray start
   --address="$RAY_HEAD_ADDRESS"

@@ -20,26 +20,29 @@
 #   PRINT_ONLY [0]  1 (or --print-command as the first argument): print the command instead of running it
 # Extra Hydra overrides go after the script's own and win: ./run_qwen3_1.7b_gepo_math_sync.sh algorithm.loss=gspo
 set -euo pipefail
-# shellcheck source=../common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+# shellcheck source-path=SCRIPTDIR source=../common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"  # the defaults, override blocks and helpers shared by the examples
 if gepo_print_flag "${1:-}"; then shift; fi
 
-gepo_math_defaults
+gepo_math_defaults  # MODEL_PATH, DATA_DIR, ROLLOUT_TP, the paper's settings, ...: see ../common.sh
 NNODES="${NNODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 # vLLM shares the GPUs with the FSDP learner (it sleeps during the update): keep its share moderate
 ROLLOUT_GPU_MEMORY="${ROLLOUT_GPU_MEMORY:-0.6}"
+# the paper used the KL toward the sampler only in its asynchronous runs
 SAMPLER_KL_COEF="${SAMPLER_KL_COEF:-0.0}"
+# one optimizer step per batch of 32 prompts x 8 responses (paper)
 PPO_MINI_BATCH_SIZE="$PROMPTS_PER_STEP"
-EXPERIMENT_NAME="${EXPERIMENT_NAME:-qwen3-1.7b-gepo-math-sync}"
-CKPT_DIR="${CKPT_DIR:-checkpoints/${PROJECT_NAME}/${EXPERIMENT_NAME}}"
-gepo_math_blocks
+gepo_math_names qwen3-1.7b-gepo-math-sync
+gepo_math_blocks  # DATA, ALGORITHM, MODEL, OPTIM, ROLLOUT_ENGINE, ROLLOUT, VALIDATION, REWARD, TRAINER
 
 COMMAND=(
   "$PYTHON" -m gepo_plugin.main_ppo
   "${DATA[@]}" "${ALGORITHM[@]}" "${MODEL[@]}" "${OPTIM[@]}"
   actor_rollout_ref.actor.optim.lr_scheduler_type=constant
-  "${SAMPLING[@]}" "${REWARD[@]}"
+  # weight decay 0 as in the reference's HF-Trainer defaults
+  actor_rollout_ref.actor.optim.weight_decay=0.0
+  "${ROLLOUT_ENGINE[@]}" "${ROLLOUT[@]}" "${VALIDATION[@]}" "${REWARD[@]}"
   trainer.v1.trainer_mode=sync
   hetero.enable=false
   trainer.nnodes="$NNODES"
