@@ -7,6 +7,9 @@ Three runs of the same tiny model, data and seed, interleaved pair by pair so th
   threshold, strategy ``drop`` as verl's), same loss: the plugin's trainer, replay buffer and weight sync;
 * ``gepo``   the same HeteroRL run with ``algorithm.loss=gepo`` (the group term in the trainer, GEPO's loss).
 
+All three use the sampler's log-probs as the old policy (``algorithm.rollout_correction.bypass_mode=true``, which
+GEPO's preset sets), so they do the same work except for what is compared.
+
 Per run: the median step time (``timing_s/step``, the first ``--skip`` steps left out: they compile and warm up),
 the learner's idle time (``timing_s/gen``: the trainer waiting for a batch of finished rollouts) and trained
 response tokens per second. Ratios ``hetero/verl`` and ``gepo/hetero`` are per pair, then their median.
@@ -45,6 +48,8 @@ def overrides_for(variant: str, tiny: dict[str, str], steps: int, bound: int, sa
         "actor_rollout_ref.rollout.nnodes=1",
         f"actor_rollout_ref.rollout.n_gpus_per_node={samplers}",
         f"trainer.experiment_name=overhead_{variant}",
+        # q = the sampler's log-probs for every variant (GEPO's preset sets it): the same work but the loss
+        "algorithm.rollout_correction.bypass_mode=true",
     ]
     if variant == "verl":
         return [
@@ -91,6 +96,11 @@ def report(results) -> dict[str, float]:
     }
     for name, value in ratios.items():
         print(f"{name:<28}{value:>8.3f}x")
+    phases = sorted({phase for rows in results.values() for row in rows for phase in row["phase_s"]})
+    print(f"\n{'phase (median s)':<22}" + "".join(f"{variant:>9}" for variant in VARIANTS))
+    for phase in phases:
+        values = [statistics.median(row["phase_s"].get(phase, 0.0) for row in results[v]) for v in VARIANTS]
+        print(f"{phase:<22}" + "".join(f"{value:>9.3f}" for value in values))
     return ratios
 
 

@@ -52,8 +52,8 @@ def actor_config(loss_mode: str):
 def make_step(loss_mode: str, logp, old, adv, mask, uids):
     """A closure doing one forward+backward of ``loss_mode`` as verl's ppo_loss would call it.
 
-    For gepo it includes the trainer-side group term (computed from the sampler log-probs and
-    the uids, as the plugin's trainer does each step) and the context hand-off to the loss.
+    For gepo it includes the context hand-off of the trainer-side group term to the loss; the term itself is
+    computed once per training step by the trainer, over the whole batch, and timed separately.
     """
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
@@ -63,6 +63,10 @@ def make_step(loss_mode: str, logp, old, adv, mask, uids):
     config = actor_config(loss_mode)
     config.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None)
     fn = get_policy_loss_fn(loss_mode)
+
+    # the trainer computes the group term once per step over the whole batch, not per loss call: its cost is
+    # measured on its own below ("group term")
+    term = group_log_expectation_from_tokens(old, mask, uids) if loss_mode == "gepo" else None
 
     def step():
         leaf = logp.detach().requires_grad_()
@@ -76,7 +80,6 @@ def make_step(loss_mode: str, logp, old, adv, mask, uids):
             rollout_is_weights=None,
         )
         if loss_mode == "gepo":
-            term = group_log_expectation_from_tokens(old, mask, uids)
             with provide_response_terms({LOG_GROUP_EXPECTATION: term}):
                 loss, _ = fn(**kwargs)
         else:

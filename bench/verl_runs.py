@@ -10,7 +10,8 @@ def run_summary(metrics: dict[int, dict], skip: int) -> dict[str, float]:
 
     ``step_s``: median ``timing_s/step``; ``idle_s``: median ``timing_s/gen`` (the learner waiting for finished
     rollouts); ``tokens_per_s``: trained response tokens over the summed step time; ``lag_mean`` / ``lag_max``:
-    HeteroRL's trained-group lag (0 without HeteroRL); ``dropped``: groups HeteroRL dropped by the last step.
+    HeteroRL's trained-group lag (0 without HeteroRL); ``dropped``: groups HeteroRL dropped by the last step;
+    ``phase_s``: the median of every other ``timing_s/<phase>`` verl reports (where a step's time goes).
     """
     steps = [m for step, m in sorted(metrics.items()) if step > skip and "timing_s/step" in m]
     if not steps:
@@ -25,4 +26,8 @@ def run_summary(metrics: dict[int, dict], skip: int) -> dict[str, float]:
         "lag_mean": statistics.mean(m.get("hetero/lag/mean", 0.0) for m in steps),
         "lag_max": max(m.get("hetero/lag/max", 0.0) for m in steps),
         "dropped": max(m.get("hetero/dropped", 0.0) for m in steps),
+        "phase_s": {
+            key.removeprefix("timing_s/"): statistics.median(m.get(key, 0.0) for m in steps)
+            for key in sorted({key for m in steps for key in m if key.startswith("timing_s/")})
+        },
     }

@@ -256,8 +256,11 @@ def gepo_token_losses(
     logq = old_log_prob.to(dtype)
     adv = advantages.to(dtype)
 
-    seq_log_p = (logp * fmask).sum(dim=-1) / lengths.clamp(min=1)
-    log_w = seq_log_p - log_group_expectation.to(dtype)
+    # the weight's value only: its gradient reaches each token through the straight-through term below, so the
+    # sequence sum needs no autograd graph (a dot product per row, no [B, T] product tensor)
+    with torch.no_grad():
+        seq_log_p = torch.linalg.vecdot(logp.detach(), fmask) / lengths.clamp(min=1)
+        log_w = seq_log_p - log_group_expectation.to(dtype)
     # straight-through: value log_w on every token, gradient d log p_t (as verl's GSPO)
     log_ratio = torch.clamp(logp - logp.detach() + log_w.detach().unsqueeze(-1), max=log_ratio_cap)
     ratio = torch.exp(log_ratio)
@@ -268,10 +271,12 @@ def gepo_token_losses(
         token_losses = token_losses + sampler_kl_coef * k3_kl(logp, logq)
 
     with torch.no_grad():
-        # log q - log p per token; k3 = exp(d) - d - 1, so its row sum reuses sum(d)
+        # log q - log p per token; k3 = exp(d) - d - 1, so its row sum reuses sum(d). One [B, T] buffer: the masked
+        # row sums are dot products (no product tensor), and exp runs in place.
         neg_log_ratio = logq - logp.detach()
-        seq_neg_log_ratio = (neg_log_ratio * fmask).sum(dim=-1)
-        seq_exp = (torch.exp(neg_log_ratio) * fmask).sum(dim=-1)  # inf only if q/p > e^88: an honest metric
+        seq_neg_log_ratio = torch.linalg.vecdot(neg_log_ratio, fmask)
+        seq_exp = torch.linalg.vecdot(neg_log_ratio.exp_(), fmask)  # inf only if q/p > e^88: an honest metric
+        del neg_log_ratio
         seq_kl = seq_exp - seq_neg_log_ratio - lengths
         # one cheap check covers every token of every input: 0 * NaN = NaN in these sums
         checks = torch.stack([log_w, seq_neg_log_ratio, token_losses.detach().sum().expand_as(log_w)])
@@ -282,7 +287,7 @@ def gepo_token_losses(
             )
         if not bool(torch.isfinite(log_group_expectation[row_valid]).all()):
             raise GEPOInputError("the group term log E_hat_q[q] is non-finite for some response")
-        clipped_tokens = ((losses_clipped > losses_unclipped) * fmask).sum(dim=-1)
+        clipped_tokens = torch.linalg.vecdot((losses_clipped > losses_unclipped).to(dtype), fmask)
         log_w = log_w.detach()
         metrics = gepo_metrics(log_w, log_ratio_cap, lengths, row_valid, clipped_tokens, seq_kl, seq_neg_log_ratio)
     capped = torch.clamp(log_w, max=log_ratio_cap)
