@@ -82,10 +82,11 @@ def test_requests_are_answered_when_the_modelled_gpu_finishes_them_without_using
     lengths = {"short": 4, "long": 16}
     answered, cpu, scheduler = asyncio.run(answer_times(latency, lengths))
     assert answered["short"][1] == (4, "completed") and answered["long"][1] == (16, "completed")
-    assert answered["short"][0] == pytest.approx(0.2 + 4 / 20, abs=0.08)
-    assert answered["long"][0] == pytest.approx(0.2 + 16 / 20, abs=0.08)
+    # never earlier than the modelled GPU; later only by the event loop's scheduling (generous on a loaded CI box)
+    short, long = answered["short"][0], answered["long"][0]
+    assert 0.2 + 4 / 20 - 0.01 <= short < long and 0.2 + 16 / 20 - 0.01 <= long <= 0.2 + 16 / 20 + 0.5
     assert cpu < 0.25, f"waiting for the modelled GPU used {cpu:.2f} s of CPU"
-    assert scheduler.modelled_wait_s == pytest.approx(1.0, abs=0.08)
+    assert 1.0 - 0.01 <= scheduler.modelled_wait_s <= 1.5
 
 
 def test_an_abort_answers_held_requests_at_once():
