@@ -12,7 +12,7 @@ GEPO's preset sets), so they do the same work except for what is compared.
 
 Per run: the median step time (``timing_s/step``, the first ``--skip`` steps left out: they compile and warm up),
 the learner's idle time (``timing_s/gen``: the trainer waiting for a batch of finished rollouts) and trained
-response tokens per second. Ratios ``hetero/verl`` and ``gepo/hetero`` are per pair, then their median.
+tokens (prompt and response) per second. Ratios ``hetero/verl`` and ``gepo/hetero`` are per pair, then their median.
 
 verl's threshold counts prompt submission steps and the plugin's ``max_lag`` weight versions (README, "HeteroRL");
 with one weight sync per step (``parameter_sync_step=1``) and no delay both admit the same batches here.
@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= args.skip:
         parser.error("--steps must be larger than --skip")
     results = run_pairs(args)
+    if args.json:  # written before the report, so a run's numbers survive a reporting error
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": results}, indent=2))
     ratios = report(results)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": results, "ratios": ratios}, indent=2))

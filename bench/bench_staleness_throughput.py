@@ -7,8 +7,8 @@ wait uses no CPU. The learner's update stays real CPU time.
 
 Runs (same tiny model, data and seed): verl's ``sync`` trainer (the rollout on the learner), then HeteroRL on
 verl's ``separate_async`` with ``max_lag`` in ``--lags``, each ``--strategies`` and each ``--samplers`` count.
-Per run: trained response tokens per second (over the steps after ``--skip``), the learner's idle time per step
-(``timing_s/gen``: waiting for finished rollouts) and the trained groups' lag (mean, max).
+Per run: trained tokens (prompt and response) per second over the steps after ``--skip``, the learner's idle time
+per step (``timing_s/gen``: waiting for finished rollouts) and the trained groups' lag (mean, max).
 
     python bench/bench_staleness_throughput.py                      # the README's sweep (about 35 minutes)
     python bench/bench_staleness_throughput.py --lags 0 2 --samplers 2 --strategies wait --steps 6
@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= args.skip:
         parser.error("--steps must be larger than --skip")
     rows = sweep(args)
+    if args.json:  # written before the report, so a run's numbers survive a reporting error
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
     report(rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
