@@ -116,6 +116,8 @@ def plot(rows: list[dict], path: str) -> None:
     axis.set_xlabel("hetero.max_lag (weight versions)")
     axis.set_ylabel("trained tokens/s vs sync")
     axis.set_xscale("symlog", linthresh=1)
+    lags = sorted({r["max_lag"] for r in rows if r["mode"] == "hetero"})
+    axis.set_xticks(lags, [str(lag) for lag in lags])
     axis.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
