@@ -83,6 +83,11 @@ MISTAKES = [
     ("unregistered loss mode", ["algorithm.loss=null", "actor_rollout_ref.actor.policy_loss.loss_mode=gepoo"], "gepoo"),
     ("unknown estimator", ["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator='grpoo'"),
     ("verl's own check", ["data.train_batch_size=3"], "verl's config check failed"),
+    (
+        "modelled GPU without speed",
+        ["trainer.device=cpu", "+actor_rollout_ref.rollout.engine_kwargs.hf.latency.decode_tokens_per_s=0"],
+        "actor_rollout_ref.rollout.engine_kwargs.hf.latency.decode_tokens_per_s",
+    ),
 ]
 
 
