@@ -1,8 +1,8 @@
 """Benchmark: GEPO's loss and group term against verl's built-in gspo and vanilla losses, on CPU.
 
 Every loss runs on the same tensors in one run; timings are medians over repetitions with the
-methods interleaved (so machine drift hits all alike), peak memory is measured in a fresh
-process per method (the rise of the process's maximum resident set during forward+backward).
+methods interleaved (so machine drift hits all alike); peak memory is the peak of the tensor memory a
+forward+backward allocates, from torch's profiler (every allocation and free, in order).
 
     python bench/bench_loss.py                 # 256 x 2048 tokens, 64k sequences for the group term
     python bench/bench_loss.py --help
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -107,45 +106,30 @@ def time_losses(batch, width, group_size, repeats, warmup):
     return {mode: statistics.median(values) for mode, values in samples.items()}
 
 
-def _peak_memory_child(mode, batch, width, group_size, queue):
-    """Peak rise of resident memory during one forward+backward, sampled every 0.2 ms by a thread."""
-    import threading
+def peak_tensor_mib(step) -> float:
+    """Peak of the tensor memory allocated during one ``step()`` above what was live before it (MiB).
 
-    import psutil
-    import verl  # noqa: F401
+    From torch's profiler: with ``profile_memory=True`` it records every CPU allocation and free as a
+    ``[memory]`` event with its signed size, so the running sum in time order is the live tensor memory and its
+    maximum the step's peak. Exact and repeatable, unlike sampling the process's resident set (the allocator keeps
+    and reuses freed pages, and a sampler misses short peaks).
+    """
+    from torch.profiler import ProfilerActivity, profile
 
-    inputs = make_inputs(batch, width, group_size)
-    step = make_step(mode, *inputs)
     step()  # warm-up: one-off allocations (thread pools, caches) are not the loss's memory
-    process = psutil.Process()
-    peaks = []
-    for _ in range(3):
-        baseline = process.memory_info().rss
-        peak = [baseline]
-        done = threading.Event()
-
-        def sample(peak=peak, done=done):
-            while not done.is_set():
-                peak[0] = max(peak[0], process.memory_info().rss)
-                time.sleep(0.0002)
-
-        thread = threading.Thread(target=sample)
-        thread.start()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-        done.set()
-        thread.join()
-        peaks.append((peak[0] - baseline) / 2**20)
-    queue.put(max(peaks))
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    live = np.cumsum([e.nbytes() for e in events]) if events else np.zeros(1)
+    return float(max(live.max(), 0)) / 2**20
 
 
 def peak_memory(mode, batch, width, group_size) -> float:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_peak_memory_child, args=(mode, batch, width, group_size, queue))
-    proc.start()
-    value = queue.get(timeout=600)
-    proc.join()
-    return value
+    import verl  # noqa: F401
+
+    return peak_tensor_mib(make_step(mode, *make_inputs(batch, width, group_size)))
 
 
 def time_group_term(sequences: int, group_size: int, width: int, repeats: int):
@@ -197,7 +181,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--term-width", type=int, default=256, help="tokens per sequence for the token-level term (default 256)"
     )
-    parser.add_argument("--skip-memory", action="store_true", help="skip the per-process peak-memory measurement")
+    parser.add_argument("--skip-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
 

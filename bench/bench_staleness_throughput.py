@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -60,36 +61,63 @@ def run_overrides(tiny: dict[str, str], args: argparse.Namespace, lag: int | Non
 
 
 def sweep(args: argparse.Namespace) -> list[dict]:
+    """Every configuration ``--repeats`` times, the repeats interleaved (machine drift hits all configurations)."""
     configs = [(None, "-", 0)]
     configs += [(lag, strategy, n) for n, strategy, lag in itertools.product(args.samplers, args.strategies, args.lags)]
+    plan = [(repeat, config) for repeat in range(args.repeats) for config in configs]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_staleness_") as folder:
         tiny = write_all(Path(folder) / "tiny")
-        for index, (lag, strategy, samplers) in enumerate(tqdm(configs, desc="runs", unit="run")):
+        for index, (repeat, (lag, strategy, samplers)) in enumerate(tqdm(plan, desc="runs", unit="run")):
             overrides = run_overrides(tiny, args, lag, strategy, samplers)
             code, metrics, log = run_cpu_training(overrides, Path(folder) / f"run_{index}", timeout_s=1200)
             if code != 0:
                 raise RuntimeError(f"run {lag=} {strategy=} {samplers=} failed (exit {code}):\n{log[-4000:]}")
             mode = "sync" if lag is None else "hetero"
             rows.append(
-                {"mode": mode, "max_lag": lag, "strategy": strategy, "samplers": samplers}
+                {"mode": mode, "max_lag": lag, "strategy": strategy, "samplers": samplers, "repeat": repeat}
                 | run_summary(metrics, args.skip)
             )
     return rows
 
 
+def _config(row: dict) -> tuple:
+    return (row["mode"], row["samplers"], row["strategy"], -1 if row["max_lag"] is None else row["max_lag"])
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One row per configuration: the mean over its repeats of every figure, ``x_sync`` per repeat against that
+    repeat's own sync run, and its spread (``x_sync_min`` / ``x_sync_max``)."""
+    sync = {row.get("repeat", 0): row["tokens_per_s"] for row in rows if row["mode"] == "sync"}
+    out = []
+    for _, group in itertools.groupby(sorted(rows, key=_config), key=_config):
+        group = list(group)
+        ratios = [row["tokens_per_s"] / sync[row.get("repeat", 0)] for row in group]
+        first = group[0]
+        out.append(
+            {key: first[key] for key in ("mode", "max_lag", "strategy", "samplers")}
+            | {
+                key: statistics.mean(row[key] for row in group)
+                for key in ("tokens_per_s", "step_s", "idle_s", "lag_mean", "lag_max", "dropped")
+            }
+            | {"repeats": len(group), "x_sync": statistics.mean(ratios), "x_sync_min": min(ratios)}
+            | {"x_sync_max": max(ratios)}
+        )
+    return out
+
+
 def report(rows: list[dict]) -> None:
-    sync = next(row for row in rows if row["mode"] == "sync")
     print(
-        f"\n{'mode':<8}{'samplers':>9}{'strategy':>9}{'max_lag':>8}{'tokens/s':>10}{'x sync':>8}{'idle s':>8}"
-        f"{'lag mean':>9}{'lag max':>8}"
+        f"\n{'mode':<8}{'samplers':>9}{'strategy':>9}{'max_lag':>8}{'tokens/s':>10}{'x sync':>8}{'range':>12}"
+        f"{'idle s':>8}{'lag mean':>9}{'lag max':>8}{'dropped':>8}"
     )
-    for row in rows:
+    for row in aggregate(rows):
         lag = "-" if row["max_lag"] is None else row["max_lag"]
+        spread = f"{row['x_sync_min']:.2f}-{row['x_sync_max']:.2f}"
         print(
             f"{row['mode']:<8}{row['samplers']:>9}{row['strategy']:>9}{lag:>8}{row['tokens_per_s']:>10.1f}"
-            f"{row['tokens_per_s'] / sync['tokens_per_s']:>8.2f}{row['idle_s']:>8.2f}{row['lag_mean']:>9.2f}"
-            f"{row['lag_max']:>8.0f}"
+            f"{row['x_sync']:>8.2f}{spread:>12}{row['idle_s']:>8.2f}{row['lag_mean']:>9.2f}{row['lag_max']:>8.0f}"
+            f"{row['dropped']:>8.0f}"
         )
 
 
@@ -99,24 +127,27 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sync = next(row for row in rows if row["mode"] == "sync")
     fig, axis = plt.subplots(figsize=(6, 3.6))
-    for index, (key, group) in enumerate(
-        itertools.groupby([r for r in rows if r["mode"] == "hetero"], key=lambda r: (r["samplers"], r["strategy"]))
-    ):
+    hetero = [row for row in aggregate(rows) if row["mode"] == "hetero"]
+    for index, (key, group) in enumerate(itertools.groupby(hetero, key=lambda r: (r["samplers"], r["strategy"]))):
         group = list(group)
-        axis.plot(
+        axis.errorbar(
             [r["max_lag"] for r in group],
-            [r["tokens_per_s"] / sync["tokens_per_s"] for r in group],
+            [r["x_sync"] for r in group],
+            yerr=[
+                [r["x_sync"] - r["x_sync_min"] for r in group],
+                [r["x_sync_max"] - r["x_sync"] for r in group],
+            ],
             marker="o",
+            capsize=3,
             color=f"C{index}",
             label=f"{key[0]} samplers, {key[1]}",
         )
     axis.axhline(1.0, color="gray", linestyle="--", label="sync")
     axis.set_xlabel("hetero.max_lag (weight versions)")
-    axis.set_ylabel("trained tokens/s vs sync")
+    axis.set_ylabel("trained tokens/s vs sync (mean, range)")
     axis.set_xscale("symlog", linthresh=1)
-    lags = sorted({r["max_lag"] for r in rows if r["mode"] == "hetero"})
+    lags = sorted({r["max_lag"] for r in hetero})
     axis.set_xticks(lags, [str(lag) for lag in lags])
     axis.legend(fontsize=8)
     fig.tight_layout()
@@ -136,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         help="hetero.strategy values (default wait drop)",
     )
     parser.add_argument("--samplers", type=int, nargs="+", default=[2, 4], help="rollout replicas (default 2 4)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every configuration, interleaved (default 2)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
     parser.add_argument("--skip", type=int, default=2, help="first steps left out (warm-up; default 2)")
     parser.add_argument("--loss", default="gepo", help="algorithm.loss of every run (default gepo)")
@@ -163,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
     report(rows)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
+        result = {"args": vars(args), "runs": rows, "configurations": aggregate(rows)}
+        Path(args.json).write_text(json.dumps(result, indent=2))
     if args.png:
         plot(rows, args.png)
     return 0

@@ -15,6 +15,7 @@ import pytest
 import torch
 from cpu_runs import PROMPTS, RESPONSES, gepo_sync_overrides, timed_run
 
+from gepo_plugin.config_keys import HF_ROLLOUT_LATENCY
 from gepo_plugin.tiny import cpu_run_overrides, run_cpu_training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.megatron]
@@ -120,6 +121,8 @@ def test_hetero_separate_async_with_a_megatron_learner_and_a_delayed_sampler(tin
         f"hetero.max_lag={HETERO_MAX_LAG}",
         "hetero.strategy=wait",
         "hetero.group_delays=[{distribution: none},{distribution: constant, seconds: 8}]",
+        # a modelled GPU for the CPU rollout (fast enough not to slow the test): hetero.json must record it
+        f"+{HF_ROLLOUT_LATENCY}={{decode_tokens_per_s: 4000, prefill_s: 0.01}}",
     ]
     code, metrics, log = timed_run("megatron hetero separate_async, 4 steps", overrides, tmp_path / "run")
     assert code == 0, log[-6000:]
@@ -140,3 +143,4 @@ def test_hetero_separate_async_with_a_megatron_learner_and_a_delayed_sampler(tin
     assert sum(m.get("hetero/sampler_group_1/trained_trajectories", 0) for m in metrics.values()) > 0
     state = json.loads((tmp_path / "checkpoints" / "global_step_4" / "hetero.json").read_text())
     assert state["replay_buffer"]["ledger"]["trained"] == metrics[4]["hetero/trained"]
+    assert state["rollout_latency"] == {"decode_tokens_per_s": 4000, "prefill_s": 0.01}

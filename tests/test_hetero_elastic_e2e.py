@@ -126,7 +126,10 @@ def test_a_delayed_sampler_killed_mid_generation_is_retired_and_the_books_surviv
     assert first["hetero/sampler_failures"] == 1 and first["hetero/sampler_failures/died"] == 1
     assert first["hetero/sampler_group_1/alive"] == 1 and first["hetero/sampler_replicas_alive"] == SAMPLERS
     assert first["hetero/dropped/failed"] >= last["hetero/dropped/failed"]
-    assert first["hetero/produced"] > last["hetero/produced"]
+    # the checkpoint's queued groups come back with verl's TransferQueue checkpoint, so the first resumed step
+    # may train only those; by the end the restarted samplers have produced new groups
+    assert first["hetero/produced"] >= last["hetero/produced"]
+    assert end["hetero/produced"] > last["hetero/produced"]
     state = json.loads((tmp_path / "checkpoints" / f"global_step_{steps + resumed_steps}" / "hetero.json").read_text())
     assert [f["kind"] for f in state["samplers"]["failures"]] == ["died"]
     assert state["replay_buffer"]["ledger"]["dropped"]["failed"] == end["hetero/dropped/failed"]

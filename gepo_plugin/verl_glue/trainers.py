@@ -7,7 +7,8 @@ of that mode plus :class:`ResponseTermsMixin`, which
 1. after verl's ``_compute_advantage`` (the last step that sees the batch with ``uid`` before
    the actor update), reads ``old_log_probs`` (the sampler's log-probs in bypass mode),
    computes ``log E_hat_q[q]`` per prompt group for all groups at once, and writes it per
-   sample into the batch (TransferQueue), so it survives verl's repartitioning;
+   sample into the batch (TransferQueue), so it survives verl's repartitioning (in the same round trip
+   as HeteroRL's fields: :mod:`gepo_plugin.verl_glue.advantage_fields`);
 2. after verl's worker set-up, installs :func:`ppo_loss_with_response_terms` on the actor
    workers through verl's public ``set_loss_fn``, so the registered ``gepo`` loss can read it.
 """
@@ -19,8 +20,6 @@ from functools import partial
 
 import numpy as np
 import torch
-import transfer_queue as tq
-from tensordict import TensorDict
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
 from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
@@ -29,6 +28,7 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from gepo_plugin.maths import GroupIndex, group_log_expectation_from_tokens
 from gepo_plugin.verl_glue import seam
+from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
 from gepo_plugin.verl_glue.hetero.trainer import HeteroMixin
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
 
@@ -50,7 +50,7 @@ def compute_group_terms(uids: np.ndarray, old_log_probs: torch.Tensor, response_
     return log_eq.to(torch.float32), metrics
 
 
-class ResponseTermsMixin:
+class ResponseTermsMixin(AdvantageFieldsMixin):
     """Adds the trainer-side group term and the loss wrapper to a verl V1 trainer."""
 
     def __init__(self, config):
@@ -73,19 +73,18 @@ class ResponseTermsMixin:
         self.actor_rollout_wg.set_loss_fn(partial(ppo_loss_with_response_terms, config=actor_config))
         logger.info("gepo-plugin: per-sample term loss installed on actor workers")
 
-    def _compute_advantage(self, batch, metrics: dict):
-        batch = super()._compute_advantage(batch, metrics)
-        data = tq.kv_batch_get(
-            keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "old_log_probs", "response_mask"]
-        )
-        data = data.to_padded_tensor()  # as verl's _compute_advantage: nested -> padded, uid -> a list
+    def _advantage_reads(self) -> frozenset[str]:
+        return super()._advantage_reads() | {"uid", "old_log_probs", "response_mask"}
+
+    def _advantage_writes(self, batch, data, metrics: dict) -> dict[str, torch.Tensor]:
+        writes = super()._advantage_writes(batch, data, metrics)
         uid_values = data.get("uid")  # a NonTensorStack, or its plain list (LinkedList) on some paths
         uids = np.array(uid_values.tolist() if hasattr(uid_values, "tolist") else list(uid_values), dtype=object)
         is_padding = [tag.get("is_padding", False) for tag in batch.tags]
         log_eq, term_metrics = compute_group_terms(uids, data["old_log_probs"], data["response_mask"], is_padding)
         metrics.update(term_metrics)
-        fields = TensorDict({LOG_GROUP_EXPECTATION: log_eq}, batch_size=len(batch))
-        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
+        writes[LOG_GROUP_EXPECTATION] = log_eq
+        return writes
 
 
 @register_trainer("gepo_sync")

@@ -9,7 +9,8 @@
 2. saves the replay buffer's books (:class:`~gepo_plugin.hetero.core.StalenessCore`) as ``hetero.json`` next to
    verl's checkpoint (verl's TransferQueue checkpoint holds the groups themselves) and restores them on
    resume, so counters continue and nothing is counted twice or lost;
-3. writes each response's lag (learner version - oldest weight version of its group) into the batch,
+3. writes each response's lag (learner version - oldest weight version of its group) into the batch (in the
+   same TransferQueue round trip as GEPO's group term: :mod:`gepo_plugin.verl_glue.advantage_fields`),
    so the GEPO loss reports its importance weight by lag bucket (``actor/gepo/iw_by_lag/<bucket>/{mean,var,
    fraction}``, from totals that add up across micro-batches and ranks: see ``hetero/lag_buckets.py``).
 """
@@ -32,6 +33,7 @@ from gepo_plugin.hetero.lag_buckets import finalize_lag_metrics
 from gepo_plugin.hetero.lags import response_lags
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
 from gepo_plugin.verl_glue import seam
+from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class HeteroTrainerState:
     last_throughput_time: float | None = None
 
 
-class HeteroMixin:
+class HeteroMixin(AdvantageFieldsMixin):
     def __init__(self, config):
         self.hetero = HeteroTrainerState(settings=parse_hetero(config.get(HETERO)))
         if self.hetero.settings.enable:
@@ -98,22 +100,23 @@ class HeteroMixin:
         sync = getattr(self, "standalone_checkpoint_manager", None)
         return sync if isinstance(sync, DelayedWeightSync) else None
 
-    def _compute_advantage(self, batch, metrics: dict):
-        batch = super()._compute_advantage(batch, metrics)
-        if self._hetero_buffer() is None:
-            return batch
-        import transfer_queue as tq
-        from tensordict import TensorDict
+    def _advantage_reads(self) -> frozenset[str]:
+        reads = super()._advantage_reads()
+        return reads | {"extra_fields"} if self._hetero_buffer() is not None else reads
 
+    def _advantage_writes(self, batch, data, metrics: dict) -> dict[str, torch.Tensor]:
+        writes = super()._advantage_writes(batch, data, metrics)
+        if self._hetero_buffer() is None:
+            return writes
         from gepo_plugin.verl_glue.response_terms import RESPONSE_LAG
 
         lags = response_lags(batch.keys, batch.tags, learner_version=self.global_steps - 1)
-        metrics.update(self._throughput_metrics(batch))
+        metrics.update(self._throughput_metrics(batch, data["extra_fields"]))
         sync = self._weight_sync()
         if sync is not None:  # this step's view: alive groups, failures and replacements so far
             metrics.update(sync.roster.metrics())
-        fields = TensorDict({RESPONSE_LAG: torch.as_tensor(lags, dtype=torch.float32)}, batch_size=len(batch))
-        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
+        writes[RESPONSE_LAG] = torch.as_tensor(lags, dtype=torch.float32)
+        return writes
 
     def _update_actor(self, batch, metrics: dict):
         batch = super()._update_actor(batch, metrics=metrics)
@@ -134,14 +137,12 @@ class HeteroMixin:
         self.hetero.server_groups.update(live)
         return self.hetero.server_groups
 
-    def _throughput_metrics(self, batch) -> dict[str, float]:
+    def _throughput_metrics(self, batch, extra_fields) -> dict[str, float]:
         """Trained trajectories and response tokens per sampler group, per second since the last step.
 
         Rollouts carry their server in ``extra_fields["server_id"]`` (patches/server_identity.py); if a
         rollout server does not report it the metrics are simply absent.
         """
-        import transfer_queue as tq
-
         from gepo_plugin.verl_glue.hetero.server_identity import SERVER_ID
 
         now = time.monotonic()
@@ -151,11 +152,8 @@ class HeteroMixin:
         real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
         if not real:
             return {}
-        data = tq.kv_batch_get(
-            keys=[batch.keys[i] for i in real], partition_id=batch.partition_id, select_fields=["extra_fields"]
-        )
-        extras = list(data["extra_fields"])
-        servers = [getattr(extra, "data", extra).get(SERVER_ID) if extra is not None else None for extra in extras]
+        extras = list(extra_fields)
+        servers = [_server_of(extras[i], SERVER_ID) for i in real]
         if all(server is None for server in servers):
             return {}
         groups = self._server_groups()
@@ -226,6 +224,11 @@ class HeteroMixin:
             ledger["trained"],
         )
         return None
+
+
+def _server_of(extra: Any, key: str) -> str | None:
+    """The server id in one rollout's ``extra_fields`` (a dict, or a NonTensorData around one), if reported."""
+    return getattr(extra, "data", extra).get(key) if extra is not None else None
 
 
 def _plain(node: Any) -> Any:
