@@ -1,6 +1,7 @@
 """Names the plugin registers with verl (kept free of imports so probes can read them cheaply)."""
 
-POLICY_LOSSES = ("gepo",)
+#: The plugin's policy losses; each reads the per-prompt group term the plugin's trainers compute.
+POLICY_LOSSES = ("gepo", "gepo_plus")
 ADVANTAGE_ESTIMATORS = ("bnpo", "delta_l")
 #: verl's V1 trainer modes (``trainer.v1.trainer_mode``).
 VERL_TRAINER_MODES = ("sync", "colocate_async", "separate_async")

@@ -62,6 +62,21 @@ MISTAKES = [
     ("hetero option without hetero", ["hetero.max_lag=2"], "set hetero.enable=true"),
     ("bnpo option without bnpo", ["algorithm.bnpo.reward_max=2"], "algorithm.bnpo.reward_max is set"),
     ("bad group scope", ["actor_rollout_ref.actor.policy_loss.group_scope=group"], "group_scope='group'"),
+    (
+        "GEPO+ option with plain GEPO",
+        ["actor_rollout_ref.actor.policy_loss.gepo_plus_mode=soft"],
+        "policy_loss.gepo_plus_mode is set, but actor_rollout_ref.actor.policy_loss.loss_mode=gepo",
+    ),
+    (
+        "GEPO+ mode typo",
+        ["algorithm.loss=gepo_plus", "actor_rollout_ref.actor.policy_loss.gepo_plus_mode=sof"],
+        "gepo_plus_mode='sof'",
+    ),
+    (
+        "GEPO+ threshold not positive",
+        ["algorithm.loss=gepo_plus", "actor_rollout_ref.actor.policy_loss.gepo_plus_kl_threshold=0"],
+        "gepo_plus_kl_threshold=0",
+    ),
     ("one response per prompt", ["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n=1"),
     ("bad hetero bound", [*HETERO, "hetero.max_lag=-1"], "hetero.max_lag=-1"),
     ("hung-sampler timeout not positive", [*HETERO, "hetero.health.timeout_s=0"], "hetero.health.timeout_s=0"),

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gepo_plugin.maths.gepo_plus import GEPOPlusRule
 from gepo_plugin.maths.groups import GroupIndex, segment_logsumexp
 from gepo_plugin.maths.options import GEPO_DEFAULTS, MAX_LOG_RATIO_CAP
 
@@ -210,6 +211,7 @@ def gepo_token_losses(
     clip_ratio_high: float = 0.2,
     sampler_kl_coef: float = GEPO_DEFAULTS.sampler_kl_coef,
     log_ratio_cap: float = GEPO_DEFAULTS.log_ratio_cap,
+    plus: GEPOPlusRule | None = None,
 ) -> GEPOLossTerms:
     """GEPO's clipped surrogate per token, plus the optional k3 KL toward the sampler.
 
@@ -222,6 +224,8 @@ def gepo_token_losses(
         clip_ratio_low, clip_ratio_high: the clip range ``[1 - low, 1 + high]`` of ``w``.
         sampler_kl_coef: weight of ``k3(p || q)`` per token (the paper's async runs: 0.005).
         log_ratio_cap: upper cap of ``log w`` (as verl's GSPO), for numerical safety.
+        plus: GEPO+ (:mod:`gepo_plugin.maths.gepo_plus`): each sequence's denominator is chosen (hard) or mixed
+            (soft) between its own ``q_i`` and ``E_hat_q[q]`` by its KL to the sampler; None is GEPO.
 
     Returns:
         :class:`GEPOLossTerms` whose ``token_losses`` is to be aggregated with verl's
@@ -256,11 +260,22 @@ def gepo_token_losses(
     logq = old_log_prob.to(dtype)
     adv = advantages.to(dtype)
 
-    # the weight's value only: its gradient reaches each token through the straight-through term below, so the
-    # sequence sum needs no autograd graph (a dot product per row, no [B, T] product tensor)
     with torch.no_grad():
+        # the weight's value only: its gradient reaches each token through the straight-through term below, so the
+        # sequence sums need no autograd graph (dot products per row, no [B, T] product tensor)
         seq_log_p = torch.linalg.vecdot(logp.detach(), fmask) / lengths.clamp(min=1)
-        log_w = seq_log_p - log_group_expectation.to(dtype)
+        # log q - log p per token; k3 = exp(d) - d - 1, so its row sum reuses sum(d). One [B, T] buffer, freed
+        # before the loss's own tensors exist; exp runs in place.
+        neg_log_ratio = logq - logp.detach()
+        seq_neg_log_ratio = torch.linalg.vecdot(neg_log_ratio, fmask)
+        seq_exp = torch.linalg.vecdot(neg_log_ratio.exp_(), fmask)  # inf only if q/p > e^88: an honest metric
+        del neg_log_ratio
+        seq_kl = seq_exp - seq_neg_log_ratio - lengths
+        log_denominator, own_share = log_group_expectation.to(dtype), None
+        if plus is not None:
+            seq_log_q = torch.linalg.vecdot(logq, fmask) / lengths.clamp(min=1)
+            log_denominator, own_share = plus.log_denominator(log_denominator, seq_log_q, seq_kl / lengths.clamp(min=1))
+        log_w = seq_log_p - log_denominator
     # straight-through: value log_w on every token, gradient d log p_t (as verl's GSPO)
     log_ratio = torch.clamp(logp - logp.detach() + log_w.detach().unsqueeze(-1), max=log_ratio_cap)
     ratio = torch.exp(log_ratio)
@@ -271,13 +286,6 @@ def gepo_token_losses(
         token_losses = token_losses + sampler_kl_coef * k3_kl(logp, logq)
 
     with torch.no_grad():
-        # log q - log p per token; k3 = exp(d) - d - 1, so its row sum reuses sum(d). One [B, T] buffer: the masked
-        # row sums are dot products (no product tensor), and exp runs in place.
-        neg_log_ratio = logq - logp.detach()
-        seq_neg_log_ratio = torch.linalg.vecdot(neg_log_ratio, fmask)
-        seq_exp = torch.linalg.vecdot(neg_log_ratio.exp_(), fmask)  # inf only if q/p > e^88: an honest metric
-        del neg_log_ratio
-        seq_kl = seq_exp - seq_neg_log_ratio - lengths
         # one cheap check covers every token of every input: 0 * NaN = NaN in these sums
         checks = torch.stack([log_w, seq_neg_log_ratio, token_losses.detach().sum().expand_as(log_w)])
         if not bool(torch.isfinite(checks).all()):
@@ -287,9 +295,13 @@ def gepo_token_losses(
             )
         if not bool(torch.isfinite(log_group_expectation[row_valid]).all()):
             raise GEPOInputError("the group term log E_hat_q[q] is non-finite for some response")
-        clipped_tokens = torch.linalg.vecdot((losses_clipped > losses_unclipped).to(dtype), fmask)
+        clipped = losses_clipped > losses_unclipped  # bool [B, T]: a quarter of a float buffer
+        clipped_tokens = clipped.logical_and_(fmask > 0).sum(dim=-1).to(dtype)
+        del clipped
         log_w = log_w.detach()
         metrics = gepo_metrics(log_w, log_ratio_cap, lengths, row_valid, clipped_tokens, seq_kl, seq_neg_log_ratio)
+        if own_share is not None:
+            metrics["own_denominator_frac"] = own_share[row_valid].double().mean()
     capped = torch.clamp(log_w, max=log_ratio_cap)
     return GEPOLossTerms(token_losses=token_losses, metrics=metrics, log_weights=capped, row_valid=row_valid)
 

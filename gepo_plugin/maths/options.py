@@ -50,6 +50,20 @@ class GEPOOptions(BaseModel):
         description="upper cap on log w for numerical safety, as verl's GSPO (exp(10) ~ 2.2e4); the fraction of "
         "sequences where it binds is reported as actor/gepo/log_ratio_cap_frac",
     )
+    gepo_plus_mode: Literal["hard", "soft"] = Field(
+        "hard",
+        description="loss_mode=gepo_plus only. hard: a sequence whose mean k3 KL to the sampler is below "
+        "gepo_plus_kl_threshold uses its own q_i as the denominator (GSPO's weight), any other uses E_hat_q[q] "
+        "(GEPO's), as the authors' code does; soft: the mixture (1-g) E_hat_q[q] + g q_i with "
+        "g = exp(-KL_i / gepo_plus_kl_threshold). The share on q_i is reported as actor/gepo/own_denominator_frac",
+    )
+    gepo_plus_kl_threshold: float = Field(
+        0.002,
+        gt=0,
+        allow_inf_nan=False,
+        description="loss_mode=gepo_plus only: the sequence-mean k3 KL between learner and sampler where the "
+        "denominator switches (hard) or its temperature (soft); the authors' kl_temp, default 0.002",
+    )
 
 
 class BNPOOptions(BaseModel):
@@ -87,6 +101,9 @@ class DeltaLOptions(BaseModel):
         description="exponent of the length weights L_i^-alpha (1: minimum variance; the paper used 0.75 for math)",
     )
 
+
+#: The options only ``loss_mode=gepo_plus`` reads.
+GEPO_PLUS_FIELDS: tuple[str, ...] = ("gepo_plus_mode", "gepo_plus_kl_threshold")
 
 GEPO_DEFAULTS = GEPOOptions()
 BNPO_DEFAULTS = BNPOOptions()

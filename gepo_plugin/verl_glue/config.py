@@ -27,6 +27,8 @@ class GEPOPolicyLossConfig(PolicyLossConfig):
     group_scope: str = GEPO_DEFAULTS.group_scope
     sampler_kl_coef: float = GEPO_DEFAULTS.sampler_kl_coef
     log_ratio_cap: float = GEPO_DEFAULTS.log_ratio_cap
+    gepo_plus_mode: str = GEPO_DEFAULTS.gepo_plus_mode
+    gepo_plus_kl_threshold: float = GEPO_DEFAULTS.gepo_plus_kl_threshold
 
     def __post_init__(self):
         gepo_options(self)

@@ -1,6 +1,7 @@
-"""GEPO registered as a verl policy loss (``actor_rollout_ref.actor.policy_loss.loss_mode=gepo``).
+"""GEPO and GEPO+ registered as verl policy losses (``actor_rollout_ref.actor.policy_loss.loss_mode=gepo|gepo_plus``).
 
-The maths is :func:`gepo_plugin.maths.gepo_token_losses`; this module only adapts verl's
+The maths is :func:`gepo_plugin.maths.gepo_token_losses` (GEPO+'s denominator rule:
+:mod:`gepo_plugin.maths.gepo_plus`); this module only adapts verl's
 calling convention, reads the trainer-computed group term, aggregates with verl's
 ``agg_loss`` (so the loss is invariant to data-parallel size and micro-batch split) and names
 the metrics for verl's tracker.
@@ -15,6 +16,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
 from gepo_plugin.hetero.lag_buckets import BY_LAG, weight_sums_by_lag
 from gepo_plugin.maths import GroupIndex, gepo_token_losses, group_log_expectation, sequence_log_prob
+from gepo_plugin.maths.gepo_plus import GEPOPlusRule
 from gepo_plugin.verl_glue.config import gepo_options
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, RESPONSE_LAG, current_response_terms
 
@@ -86,8 +88,40 @@ def compute_policy_loss_gepo(
     ``old_log_prob`` must be the sampler's log-probs for the weight to mean what the paper
     means (``algorithm.rollout_correction.bypass_mode=true``, set by the gepo preset).
     """
+    return _gepo_family_loss(
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, plus=False
+    )
+
+
+@register_policy_loss("gepo_plus")
+def compute_policy_loss_gepo_plus(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """GEPO+ policy loss for verl: GEPO whose denominator each sequence's KL to the sampler chooses (hard) or mixes
+    (soft) between its own ``q_i`` and ``E_hat_q[q]``; see :mod:`gepo_plugin.maths.gepo_plus`."""
+    return _gepo_family_loss(
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, plus=True
+    )
+
+
+def _gepo_family_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: Any,
+    rollout_is_weights: torch.Tensor | None,
+    plus: bool,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     if config is None:
-        raise ValueError("the gepo loss needs the actor config (verl passes it as `config`)")
+        raise ValueError("the gepo losses need the actor config (verl passes it as `config`)")
     options = gepo_options(config.policy_loss)
     group_scope = options.group_scope
     log_denominator = resolve_log_group_expectation(old_log_prob, response_mask, group_scope)
@@ -102,6 +136,7 @@ def compute_policy_loss_gepo(
         clip_ratio_high=high,
         sampler_kl_coef=options.sampler_kl_coef,
         log_ratio_cap=options.log_ratio_cap,
+        plus=GEPOPlusRule(options.gepo_plus_mode, options.gepo_plus_kl_threshold) if plus else None,
     )
     token_losses = terms.token_losses
     if rollout_is_weights is not None:
@@ -119,6 +154,8 @@ def compute_policy_loss_gepo(
         metrics[f"{METRIC_PREFIX}{key}"] = m[key]
     metrics[f"{METRIC_PREFIX}clipfrac"] = m["clipfrac"]
     metrics[f"{METRIC_PREFIX}sampler_kl"] = m["sampler_kl"]
+    if plus:
+        metrics[f"{METRIC_PREFIX}own_denominator_frac"] = m["own_denominator_frac"]
     metrics[f"{METRIC_PREFIX}group_term_present"] = 1.0 if group_scope == "prompt" else 0.0
     lags = current_response_terms().get(RESPONSE_LAG)
     if lags is not None and terms.log_weights is not None:

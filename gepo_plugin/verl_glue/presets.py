@@ -69,6 +69,21 @@ PRESETS: dict[str, LossPreset] = {
             needs_group_term=True,
         ),
         LossPreset(
+            "gepo_plus",
+            "GEPO+ (the GEPO authors' adaptive denominator): GEPO whose denominator is the sequence's own q_i "
+            "where its KL to the sampler is below policy_loss.gepo_plus_kl_threshold (hard; soft mixes)",
+            {
+                LOSS_MODE: "gepo_plus",
+                GROUP_SCOPE: "prompt",
+                ADV_ESTIMATOR: "grpo",
+                NORM_ADV_BY_STD: False,
+                LOSS_AGG_MODE: "seq-mean-token-mean",
+                BYPASS_MODE: True,
+                **_ppo_clip(0.2, 0.2),
+            },
+            needs_group_term=True,
+        ),
+        LossPreset(
             "grpo",
             "GRPO: token ratio p_t/q_t, std-normalised group advantages (verl's vanilla loss)",
             {

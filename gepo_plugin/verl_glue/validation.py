@@ -53,8 +53,8 @@ from gepo_plugin.config_keys import (
 )
 from gepo_plugin.config_tree import NO_USER_KEYS, UserKeys, leaves
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero, rollout_replica_count
-from gepo_plugin.maths.options import BNPOOptions, DeltaLOptions, GEPOOptions
-from gepo_plugin.names import GEPO_TRAINER_FOR_MODE, TRAINERS, VERL_TRAINER_MODES
+from gepo_plugin.maths.options import GEPO_PLUS_FIELDS, BNPOOptions, DeltaLOptions, GEPOOptions
+from gepo_plugin.names import GEPO_TRAINER_FOR_MODE, POLICY_LOSSES, TRAINERS, VERL_TRAINER_MODES
 from gepo_plugin.options import parse_options
 from gepo_plugin.verl_glue.errors import PluginConfigError
 from gepo_plugin.verl_glue.presets import get_preset
@@ -172,10 +172,13 @@ def _check_hetero_layout(config: DictConfig, hetero: HeteroSettings) -> None:
 
 #: Option blocks that only one setting reads: a value given there while that setting is off would do nothing.
 OWNED_BLOCKS = (
-    (f"{HETERO}.", HETERO_ENABLE, True),
-    (f"{BNPO_OPTIONS}.", ADV_ESTIMATOR, "bnpo"),
-    (f"{DELTA_L_OPTIONS}.", ADV_ESTIMATOR, "delta_l"),
-    *((f"{POLICY_LOSS}.{name}", LOSS_MODE, "gepo") for name in GEPOOptions.model_fields),
+    (f"{HETERO}.", HETERO_ENABLE, (True,)),
+    (f"{BNPO_OPTIONS}.", ADV_ESTIMATOR, ("bnpo",)),
+    (f"{DELTA_L_OPTIONS}.", ADV_ESTIMATOR, ("delta_l",)),
+    *(
+        (f"{POLICY_LOSS}.{name}", LOSS_MODE, ("gepo_plus",) if name in GEPO_PLUS_FIELDS else POLICY_LOSSES)
+        for name in GEPOOptions.model_fields
+    ),
 )
 
 
@@ -185,10 +188,11 @@ def check_nothing_ignored(config: DictConfig, explicit: UserKeys) -> None:
     for prefix, switch, needed in OWNED_BLOCKS:
         given = [key for key in explicit.under(prefix) if key != switch]
         value = _select(config, switch)
-        if given and value != needed:
+        if given and value not in needed:
+            choices = " or ".join(str(option).lower() for option in needed)
             raise PluginConfigError(
                 f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set, but {switch}={value}, so nothing "
-                f"would read {'it' if len(given) == 1 else 'them'}: set {switch}={str(needed).lower()} or remove "
+                f"would read {'it' if len(given) == 1 else 'them'}: set {switch}={choices} or remove "
                 f"{'it' if len(given) == 1 else 'them'}"
             )
 
@@ -207,7 +211,7 @@ def _check_gepo(config: DictConfig, warnings: list[str]) -> None:
         POLICY_LOSS,
         PluginConfigError,
     )
-    mode = _select(config, TRAINER_MODE)
+    mode, loss_mode = _select(config, TRAINER_MODE), _select(config, LOSS_MODE)
     if options.group_scope == "prompt" and mode not in GEPO_TRAINER_FOR_MODE.values():
         from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
@@ -217,12 +221,12 @@ def _check_gepo(config: DictConfig, warnings: list[str]) -> None:
         if cls is None or not issubclass(cls, ResponseTermsMixin):
             suggestion = GEPO_TRAINER_FOR_MODE.get(mode)
             fix = (
-                f"set {TRAINER_MODE}={suggestion} (or use algorithm.loss=gepo, which does)"
+                f"set {TRAINER_MODE}={suggestion} (or use algorithm.loss={loss_mode}, which does)"
                 if suggestion
                 else (f"use one of {', '.join(GEPO_TRAINER_FOR_MODE.values())}")
             )
             raise PluginConfigError(
-                f"{LOSS_MODE}=gepo needs the per-prompt group term, but {TRAINER_MODE}={mode} "
+                f"{LOSS_MODE}={loss_mode} needs the per-prompt group term, but {TRAINER_MODE}={mode} "
                 f"does not compute it: {fix}, or set {POLICY_LOSS}.group_scope=batch to reproduce the "
                 "reference code's micro-batch scope."
             )
@@ -234,7 +238,7 @@ def _check_gepo(config: DictConfig, warnings: list[str]) -> None:
         )
     if not _select(config, BYPASS_MODE, False):
         warnings.append(
-            f"loss_mode=gepo without {BYPASS_MODE}=true: q is the recomputed old policy, not the sampler's "
+            f"loss_mode={loss_mode} without {BYPASS_MODE}=true: q is the recomputed old policy, not the sampler's "
             "log-probs the paper's weight is defined with"
         )
 
@@ -266,7 +270,7 @@ def validate_plugin_config(
             f"false means the sampler returns none: set {CALCULATE_LOG_PROBS}=true (GEPO needs them), or "
             f"{BYPASS_MODE}=false"
         )
-    if _select(config, LOSS_MODE, "vanilla") == "gepo":
+    if _select(config, LOSS_MODE, "vanilla") in POLICY_LOSSES:
         _check_gepo(config, warnings)
     estimator = _select(config, ADV_ESTIMATOR)
     if estimator in GROUP_ESTIMATORS:
