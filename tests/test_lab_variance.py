@@ -136,6 +136,8 @@ def test_run_variance_writes_consistent_outputs(tmp_path: Path) -> None:
         "variance_table.md",
         "figure2_bernoulli.png",
         "figure2_gaussian.png",
+        "figure2_gepo_plus_bernoulli.png",
+        "figure2_gepo_plus_gaussian.png",
     ]
     for name in names:
         assert (out / name).is_file(), name

@@ -58,7 +58,7 @@ GAUSSIAN_C_STAR: float = 2.0 / math.sqrt(3.0)
 RATIO_KL_THRESHOLDS: tuple[float, ...] = (0.1, 1.0)
 """KL levels above which the median ratio ``var_gepo / var_is`` is reported."""
 
-CSV_COLUMNS: tuple[str, ...] = ("a", "b", "kl", "var_is", "var_gepo")
+CSV_COLUMNS: tuple[str, ...] = ("a", "b", "kl", "var_is", "var_gepo", "var_gepo_plus_hard", "var_gepo_plus_soft")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,12 +371,12 @@ def _bernoulli_kl_gap(grid_points: int) -> tuple[FloatArray, FloatArray]:
 # ----------------------------------------------------------------------------------------------
 
 
-def write_csv(res: FamilyResult, path: Path) -> None:
+def write_csv(res: FamilyResult, path: Path, plus: dict[str, FloatArray]) -> None:
     """One row per grid cell with the columns of :data:`CSV_COLUMNS`, written at full precision.
 
     ``%.17g`` round-trips float64, so numbers recomputed from the CSV match the summary exactly.
     """
-    data = np.column_stack([res.a, res.b, res.kl, res.var_is, res.var_gepo])
+    data = np.column_stack([res.a, res.b, res.kl, res.var_is, res.var_gepo, plus["hard"], plus["soft"]])
     np.savetxt(path, data, delimiter=",", header=",".join(CSV_COLUMNS), comments="", fmt="%.17g")
 
 
@@ -422,6 +422,33 @@ def plot_family(res: FamilyResult, c_star: float, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_gepo_plus(res: FamilyResult, plus: dict[str, FloatArray], threshold: float, path: Path) -> None:
+    """GEPO+'s weight variance (hard and soft) against KL, beside ``p/q``'s and GEPO's (log y; zeros omitted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    title = {"bernoulli": "p=Bern(a), q=Bern(b)", "gaussian": "p=N(a,1), q=N(b,1)"}[res.family]
+    fig, axis = plt.subplots(figsize=(6.5, 4.2))
+    for values, label, colour, size in (
+        (res.var_is, "p/q (GSPO's weight)", "tab:red", 4),
+        (res.var_gepo, "p/E_q[q] (GEPO)", "tab:blue", 4),
+        (plus["hard"], f"GEPO+ hard, T={threshold:g}", "black", 2),
+        (plus["soft"], f"GEPO+ soft, T={threshold:g}", "tab:green", 2),
+    ):
+        pos = values > 0
+        axis.scatter(res.kl[pos], values[pos], s=size, alpha=0.5, color=colour, label=label)
+    axis.set_yscale("log")
+    axis.set_xlabel("KL(p || q)")
+    axis.set_ylabel("weight variance under q")
+    axis.set_title(f"{title}: GEPO+ against its two denominators")
+    axis.legend(loc="lower right", fontsize=8, markerscale=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _fmt(x: Any) -> str:
     """Compact formatting for the markdown table; ``None`` prints as a dash."""
     if x is None:
@@ -461,6 +488,16 @@ def markdown_table(summary: dict[str, Any]) -> str:
         ("median var_gepo/var_is, KL > 1", [_fmt(f["median_ratio_kl_gt_1"]) for f in fams]),
         ("max Var[p/q] / max Var[p/E_q q]", [f"{_fmt(f['var_is_max'])} / {_fmt(f['var_gepo_max'])}" for f in fams]),
     ]
+    for mode in ("hard", "soft"):
+        plus = [f["gepo_plus"][mode] for f in fams]
+        rows += [
+            (
+                f"GEPO+ {mode}: fraction worse than the better of the two",
+                [_fmt(p["fraction_worse_than_better"]) for p in plus],
+            ),
+            (f"GEPO+ {mode}: max excess over the better (absolute)", [_fmt(p["max_excess_over_better"]) for p in plus]),
+            (f"GEPO+ {mode}: fraction better than both", [_fmt(p["fraction_better_than_both"]) for p in plus]),
+        ]
     lines = ["| quantity | Bernoulli | Gaussian |", "|---|---|---|"]
     lines += [f"| {name} | {vals[0]} | {vals[1]} |" for name, vals in rows]
     crossing = summary["gaussian"]["kl_crossing_closed_form"]
@@ -469,17 +506,26 @@ def markdown_table(summary: dict[str, Any]) -> str:
         f"Gaussian: GEPO's weight has the higher variance exactly when KL < {crossing:.6f} (closed form, grid-free).",
         "C* is the smallest constant with gap >= exp(KL) - C on the evaluated grid; it is not the paper's"
         " Theorem 1 constant, which was not checked against the paper.",
+        f"GEPO+ at T = {summary['gepo_plus_threshold']:g}: the gate reads each sample's k3 = r - log r - 1"
+        " (r = q/p), as the loss reads each sequence's mean k3.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def run_variance(out_dir: Path, grid_points: int = 50, progress: bool = True) -> dict[str, Any]:
-    """Compute both families, write CSVs, summary JSON, markdown table and the two PNGs; return the summary.
+def run_variance(
+    out_dir: Path, grid_points: int = 50, progress: bool = True, gepo_plus_threshold: float | None = None
+) -> dict[str, Any]:
+    """Compute both families, write CSVs, summary JSON, markdown table and the PNGs; return the summary.
 
     Files written to ``out_dir`` (created if missing): ``variance_bernoulli.csv``,
     ``variance_gaussian.csv``, ``variance_summary.json``, ``variance_table.md``,
-    ``figure2_bernoulli.png``, ``figure2_gaussian.png``.
+    ``figure2_bernoulli.png``, ``figure2_gaussian.png`` and GEPO+'s ``figure2_gepo_plus_<family>.png``
+    (:mod:`gepo_plugin.lab.variance_plus`, at ``gepo_plus_threshold``: the loss's default if None).
     """
+    from gepo_plugin.lab.variance_plus import summarise_plus, var_gepo_plus
+    from gepo_plugin.maths.options import GEPO_DEFAULTS
+
+    threshold = GEPO_DEFAULTS.gepo_plus_kl_threshold if gepo_plus_threshold is None else gepo_plus_threshold
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     draw = plots_available()
@@ -495,16 +541,23 @@ def run_variance(out_dir: Path, grid_points: int = 50, progress: bool = True) ->
             "var_gepo": "Var_q[p/E_q[q]] with exact E_q[q] = sum q^2 or integral q^2",
             "gap": "var_is - var_gepo",
             "c_star": "max over grid of exp(KL) - gap (smallest C with gap >= exp(KL) - C on the grid)",
+            "gepo_plus": "Var_q[p/D], D = (1-g) E_q[q] + g q, g = 1[k3 < T] (hard) or exp(-k3/T) (soft), "
+            "k3 = r - log r - 1 with r = q/p per sample",
         },
+        "gepo_plus_threshold": threshold,
     }
-    results = {}
+    results, plus = {}, {}
     for family in ("bernoulli", "gaussian"):
         say(f"{family}: {grid_points}x{grid_points} grid")
         res = compute_family(family, grid_points)
         fam = summarise_family(res)
         summary[family] = fam
         results[family] = res
-        write_csv(res, out_dir / f"variance_{family}.csv")
+        plus[family] = {mode: var_gepo_plus(family, res.a, res.b, mode, threshold) for mode in ("hard", "soft")}
+        fam["gepo_plus"] = {
+            mode: summarise_plus(values, res.var_is, res.var_gepo, res.kl) for mode, values in plus[family].items()
+        }
+        write_csv(res, out_dir / f"variance_{family}.csv", plus[family])
         say(
             f"{family}: GEPO higher on {fam['fraction_gepo_higher']:.3f} of cells "
             f"(KL up to {_fmt(fam['kl_range_gepo_higher'][1] if fam['kl_range_gepo_higher'] else None)}), "
@@ -515,6 +568,7 @@ def run_variance(out_dir: Path, grid_points: int = 50, progress: bool = True) ->
     if draw:  # the results are on disk before any plot is attempted
         for family, res in results.items():
             plot_family(res, summary[family]["c_star"], out_dir / f"figure2_{family}.png")
+            plot_gepo_plus(res, plus[family], threshold, out_dir / f"figure2_gepo_plus_{family}.png")
     say(f"wrote {out_dir}")
     return summary
 
@@ -533,6 +587,13 @@ def add_variance_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         default=50,
         help="points per parameter axis (>= 2); the grid has this many squared cells (default 50, as in the paper)",
     )
+    parser.add_argument(
+        "--gepo-plus-threshold",
+        type=float,
+        default=None,
+        help="GEPO+'s KL threshold T for its variance (default: the loss's, "
+        "actor_rollout_ref.actor.policy_loss.gepo_plus_kl_threshold)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress messages on stderr")
     return parser
 
@@ -541,7 +602,14 @@ def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the lab from parsed :func:`add_variance_arguments` options; prints the table (bad values exit 2)."""
     if args.grid_points < 2:
         parser.error(f"--grid-points must be >= 2, got {args.grid_points}")
-    summary = run_variance(args.out, grid_points=args.grid_points, progress=not args.no_progress)
+    if args.gepo_plus_threshold is not None and not args.gepo_plus_threshold > 0:
+        parser.error(f"--gepo-plus-threshold must be > 0, got {args.gepo_plus_threshold}")
+    summary = run_variance(
+        args.out,
+        grid_points=args.grid_points,
+        progress=not args.no_progress,
+        gepo_plus_threshold=args.gepo_plus_threshold,
+    )
     print(markdown_table(summary), end="")
     return 0
 
