@@ -3,7 +3,8 @@
 A tool's options are defined once, as a :mod:`pydantic` model (:mod:`gepo_plugin.options`); this module turns the
 model into ``argparse`` options and the parsed values back into the model, so the command line, the defaults
 and the validation can never drift apart. Every generated option defaults to "not given" (the model's or a
-preset's value applies), and its help ends with the model's default.
+preset's value applies), and its help ends with the model's default. A field that is itself a model (a block,
+e.g. ``guard``) becomes one option per field of it (``--guard-enable``, ``--guard-min-ess``, ...).
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ def add_model_arguments(
     for name, info in model.model_fields.items():
         if name in skip:
             continue
+        if _is_block(info.annotation):  # a block: its own group of options, the block's description on top
+            group = parser.add_argument_group(f"{_flag(name)}-* options", info.description)
+            for sub, sub_info in info.annotation.model_fields.items():
+                default = sub_info.get_default(call_default_factory=True)
+                source = f"{defaults_from}; otherwise " if defaults_from else ""
+                help_text = f"{sub_info.description or sub} (default: {source}{_default_text(default)})"
+                kwargs = _argument(sub_info.annotation)
+                group.add_argument(
+                    _flag(f"{name}_{sub}"), dest=f"{name}__{sub}", default=None, help=help_text, **kwargs
+                )
+            continue
         default = info.get_default(call_default_factory=True)
         source = f"{defaults_from}; otherwise " if defaults_from else ""
         help_text = f"{info.description or name} (default: {source}{_default_text(default)})"
@@ -69,6 +81,22 @@ def add_model_arguments(
     return parser
 
 
+def _is_block(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
 def given_values(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
-    """The model fields set on the command line (not ``None``)."""
-    return {name: getattr(args, name) for name in model.model_fields if getattr(args, name, None) is not None}
+    """The model fields set on the command line (not ``None``); a block's given fields as a dict."""
+    out: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        if _is_block(info.annotation):
+            block = {
+                sub: getattr(args, f"{name}__{sub}")
+                for sub in info.annotation.model_fields
+                if getattr(args, f"{name}__{sub}", None) is not None
+            }
+            if block:
+                out[name] = block
+        elif getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
+    return out

@@ -32,6 +32,24 @@ class RolloutWriter:
         self.partition = partition
         self.fields = TensorDict({"x": torch.zeros(group_size, width)}, batch_size=group_size)
         self.rng = np.random.default_rng(seed)
+        #: trajectory key -> (response length, reward) as written (what a test expects the buffer to read back)
+        self.written: dict[str, tuple[int, float]] = {}
+
+    def _fields(self, keys: Sequence[str], lengths: Sequence[int] | None = None):
+        """verl's per-trajectory fields the buffer reads: ``rm_scores`` (the reward on the last response token),
+        with a random reward and the given response lengths (default: the full width); remembered in ``written``."""
+        import torch
+        from tensordict import TensorDict
+
+        lengths = [self.width] * len(keys) if lengths is None else [int(n) for n in lengths]
+        rewards = self.rng.random(len(keys))
+        scores = torch.zeros(len(keys), self.width)
+        for row, (length, reward) in enumerate(zip(lengths, rewards, strict=True)):
+            scores[row, length - 1] = float(reward)
+        for key, length, reward in zip(keys, lengths, scores.sum(-1).tolist(), strict=True):
+            self.written[key] = (length, reward)
+        fields = TensorDict({"x": torch.zeros(len(keys), self.width), "rm_scores": scores}, batch_size=len(keys))
+        return fields, lengths
 
     def submit(self, step: int | Sequence[int], n: int = 1, uids: Sequence[str] | None = None) -> list[str]:
         """New prompts, pending, each tagged with the learner step it was submitted at (``n`` at ``step``, or one
@@ -50,28 +68,33 @@ class RolloutWriter:
     def start(self, uid: str) -> None:
         self.tq.kv_put(key=uid, partition_id=self.partition, tag={"status": "running"})
 
-    def trajectory_tag(self, step: int, lo: int, hi: int) -> dict[str, Any]:
+    def trajectory_tag(self, step: int, lo: int, hi: int, length: int | None = None) -> dict[str, Any]:
         return {
             "status": "success",
             "global_steps": step,
             "min_global_steps": lo,
             "max_global_steps": hi,
+            "response_len": self.width if length is None else length,
             "seq_len": self.width,
         }
 
-    def finish(self, uid: str, versions: Sequence[tuple[int, int]], step: int = 1, status: str = "finished") -> None:
+    def finish(
+        self,
+        uid: str,
+        versions: Sequence[tuple[int, int]],
+        step: int = 1,
+        status: str = "finished",
+        lengths: Sequence[int] | None = None,
+    ) -> None:
         """One trajectory per ``(oldest, newest)`` weight version pair, then the prompt turns terminal."""
-        from tensordict import TensorDict
-
         keys = [f"{uid}_{i}_0" for i in range(len(versions))]
         if keys:
-            import torch
-
+            fields, lengths = self._fields(keys, lengths)
             self.tq.kv_batch_put(
                 keys=keys,
                 partition_id=self.partition,
-                fields=TensorDict({"x": torch.zeros(len(keys), self.width)}, batch_size=len(keys)),
-                tags=[self.trajectory_tag(step, lo, hi) for lo, hi in versions],
+                fields=fields,
+                tags=[self.trajectory_tag(step, lo, hi, n) for (lo, hi), n in zip(versions, lengths, strict=True)],
             )
         self.tq.kv_put(key=uid, partition_id=self.partition, tag={"status": status})
 
@@ -90,8 +113,6 @@ class RolloutWriter:
         (half of them running). ``per_group``: one put of trajectories and one status put per group, as rollout
         workers write them; otherwise the same keys and tags in four batched puts.
         """
-        import torch
-        from tensordict import TensorDict
 
         steps = [int(s) for s in global_steps - self.rng.integers(0, spread, groups)]
         versions = []
@@ -104,11 +125,11 @@ class RolloutWriter:
             for uid, step, group in zip(uids, steps, versions, strict=True):
                 self.finish(uid, group, step)
         else:
-            rows = groups * self.group_size
+            keys = [f"{uid}_{i}_0" for uid in uids for i in range(self.group_size)]
             self.tq.kv_batch_put(
-                keys=[f"{uid}_{i}_0" for uid in uids for i in range(self.group_size)],
+                keys=keys,
                 partition_id=self.partition,
-                fields=TensorDict({"x": torch.zeros(rows, self.width)}, batch_size=rows),
+                fields=self._fields(keys)[0],
                 tags=[
                     self.trajectory_tag(step, lo, hi)
                     for step, group in zip(steps, versions, strict=True)

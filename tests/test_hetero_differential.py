@@ -48,7 +48,13 @@ class Group:
 
 def books(core) -> dict:
     state = core.state_dict()
-    return {"ledger": state["ledger"], "groups": state["groups"], "floors": state["version_floors"]}
+    return {
+        "ledger": state["ledger"],
+        "groups": state["groups"],
+        "floors": state["version_floors"],
+        "guard": state["guard"],
+        "bound": core.policy.max_lag,
+    }
 
 
 def verl_poll(buffer: HeteroReplayBuffer, step: int) -> None:
@@ -64,10 +70,10 @@ def run_trace(hetero: dict, seed: int, ticks: int = 18, batch: int = 3) -> dict:
     rng = np.random.default_rng(seed)
     writer = RolloutWriter(tq, group_size=GROUP)
     buffer = hetero_buffer(poll_interval=0.01, **hetero)
-    lab = LabRolloutQueue(buffer.core.policy)
+    lab = LabRolloutQueue(buffer.core.configured_policy, buffer.settings.guard)
     schedule = WeightArrivalSchedule([None, ExponentialDelay(2.0), ExponentialDelay(5.0)], seed=seed)
     in_flight: dict[str, tuple[int, int, int]] = {}  # name -> (submitted step, sampler version, finish tick)
-    counter, now, trained, log, version = 0, 0.0, 0, [], 0
+    counter, now, trained, log, version, guard_notes = 0, 0.0, 0, [], 0, []
     for name in ("verl", "lab"):  # step 1 begins: every sampler holds version 0
         (buffer if name == "verl" else lab).core.version_floors[1] = 0
     resume_at = ticks // 2
@@ -108,6 +114,10 @@ def run_trace(hetero: dict, seed: int, ticks: int = 18, batch: int = 3) -> dict:
             assert metrics["hetero/lag/max"] == float(lab_lags.max())
             trained += len(groups)
             version += 1  # the learner publishes the new version; the next step begins
+            ess = float(rng.choice([0.1, 0.3, 0.7, 0.9, 0.95]))  # the trained batch's ESS/N: the guard's input
+            notes = [core.observe_ess(version, ess) for core in (buffer.core, lab.core)]
+            assert notes[0] == notes[1], (step, notes)
+            guard_notes.extend(note for note in notes[:1] if note is not None)
             schedule.publish(version, now)
             for core in (buffer.core, lab.core):  # what verl's delayed weight sync / the lab's driver record
                 core.version_floors[version + 1] = schedule.oldest_held()
@@ -123,13 +133,19 @@ def run_trace(hetero: dict, seed: int, ticks: int = 18, batch: int = 3) -> dict:
             buffer = hetero_buffer(poll_interval=0.01, **hetero)
             buffer.load_state_dict(state_verl)
             store = {uid: group for uid, group in lab.store.items() if uid != lost}
-            lab = LabRolloutQueue(buffer.core.policy)
+            lab = LabRolloutQueue(buffer.core.configured_policy, buffer.settings.guard)
             lab.load_state_dict(state_lab, store)
             verl_poll(buffer, step)  # verl notices the loss at its first poll
             assert books(buffer.core) == books(lab.core)
             if lost is not None:
                 assert lab.core.ledger.dropped["missing_after_resume"] == 1
-    return {"trained": trained, "log": log, "dropped": dict(lab.core.ledger.dropped), "books": books(lab.core)}
+    return {
+        "trained": trained,
+        "log": log,
+        "dropped": dict(lab.core.ledger.dropped),
+        "books": books(lab.core),
+        "guard_notes": guard_notes,
+    }
 
 
 @pytest.mark.parametrize(
@@ -138,8 +154,9 @@ def run_trace(hetero: dict, seed: int, ticks: int = 18, batch: int = 3) -> dict:
         {"max_lag": 2, "strategy": "wait"},
         {"max_lag": 1, "strategy": "drop"},
         {"max_lag": 3, "strategy": "wait", "refuse_mixed_versions": True},
+        {"max_lag": 4, "strategy": "drop", "guard": {"enable": True, "patience": 1, "floor": 1}},
     ],
-    ids=["wait-K2", "drop-K1", "wait-K3-refuse-mixed"],
+    ids=["wait-K2", "drop-K1", "wait-K3-refuse-mixed", "drop-K4-guard"],
 )
 @pytest.mark.parametrize("seed", [0, 1])
 def test_verls_buffer_and_the_lab_make_identical_decisions(transfer_queue, hetero, seed):
@@ -152,3 +169,6 @@ def test_verls_buffer_and_the_lab_make_identical_decisions(transfer_queue, heter
     assert any(entry["floor"] < entry["step"] - 1 for entry in result["log"]), "no delayed weights in the trace"
     if hetero["strategy"] == "drop":
         assert result["dropped"].get("stale", 0) > 0, "the trace should make drop evict something"
+    if "guard" in hetero:  # the guard moved the bound both ways, identically in both adapters
+        notes = " ".join(result["guard_notes"])
+        assert "tightened" in notes and "relaxed" in notes, notes

@@ -54,6 +54,23 @@ def test_drop_bound_is_exact(clean, max_lag):
     assert over[0] not in (tq.kv_list("train") or {}).get("train", {})  # evicted from TransferQueue
 
 
+def test_dropped_trajectories_report_their_length_and_reward(clean):
+    """The step's dropped totals are read back from TransferQueue before verl clears the groups: exactly the
+    lengths and rewards the rollout side wrote (the trainer turns them into means beside the trained ones)."""
+    rollouts = RolloutWriter(tq, group_size=GROUP, width=6)
+    buffer = hetero_buffer(max_lag=1, strategy="drop")
+    stale = rollouts.submit(1, 2)
+    for uid, lengths in zip(stale, ([6, 2], [1, 3]), strict=True):
+        rollouts.finish(uid, [(3, 3)] * GROUP, 1, lengths=lengths)
+    fresh = rollouts.produce(step=1, version=9, n=2)
+    batch, metrics = buffer.sample(global_steps=10, partition_id="train", batch_size=2)
+    assert trained_uids(batch) == set(fresh)
+    dropped = [rollouts.written[key] for key in rollouts.written if key.split("_")[0] in stale]
+    assert metrics["hetero/dropped_step/trajectories"] == 4
+    assert metrics["hetero/dropped_step/length_sum"] == 12
+    assert metrics["hetero/dropped_step/reward_sum"] == pytest.approx(sum(r for _, r in dropped), rel=1e-6)
+
+
 def test_oldest_group_first_and_queue_depth(clean):
     rollouts = RolloutWriter(tq, group_size=GROUP)
     buffer = hetero_buffer(max_lag=8, strategy="drop")

@@ -83,6 +83,13 @@ MISTAKES = [
     ("probe interval not a number", [*HETERO, "hetero.health.interval_s=nan"], "hetero.health.interval_s"),
     ("replacement flag read as boolean", [*HETERO, "hetero.replace_failed=yes"], "hetero.replace_failed='yes'"),
     ("bad hetero strategy", [*HETERO, "hetero.strategy=dropp"], "hetero.strategy='dropp'"),
+    ("guard flag read as boolean", [*HETERO, "hetero.guard.enable=on"], "hetero.guard.enable='on'"),
+    (
+        "guard without GEPO's weights",
+        [*HETERO, "algorithm.loss=gspo", "hetero.guard.enable=true"],
+        "hetero.guard.enable=true reads the ESS/N",
+    ),
+    ("guard floor above the bound", [*HETERO, "hetero.guard.enable=true", "hetero.guard.floor=99"], "guard.floor (99)"),
     (
         "margin beyond the bound",
         [*HETERO, "hetero.max_lag=2", "hetero.admission_margin=3"],

@@ -23,6 +23,7 @@ The definitions of lag and of the bound are :mod:`gepo_plugin.hetero.staleness`'
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from gepo_plugin.hetero.accounting import RolloutLedger
+from gepo_plugin.hetero.guard import GuardConfig, StalenessGuard
 from gepo_plugin.hetero.staleness import StalenessPolicy, Verdict
 
 #: Eviction reasons (the ledger's ``dropped/<reason>`` counters).
@@ -39,6 +41,8 @@ OVERFLOW = "stale_overflow"
 MIXED = Verdict.DROP_MIXED.value
 MISSING = "missing_after_resume"
 REASONS: tuple[str, ...] = (STALE, OVERFLOW, MIXED, FAILED, MISSING)
+#: Evictions for staleness, whose trajectories exist: what "the cost of dropping" measures.
+STALENESS_REASONS: tuple[str, ...] = (STALE, OVERFLOW, MIXED)
 
 
 class BoundViolation(AssertionError):
@@ -57,8 +61,15 @@ class GroupVersions:
 class StalenessCore:
     """The decisions and the books of one learner's rollout queue (see the module docstring)."""
 
-    def __init__(self, policy: StalenessPolicy) -> None:
+    def __init__(self, policy: StalenessPolicy, guard: GuardConfig | None = None) -> None:
+        #: the bound every decision uses: the configured one, or the guard's tighter one
         self.policy = policy
+        self.configured_policy = policy
+        self.guard: StalenessGuard | None = None
+        if guard is not None and guard.enable:
+            if policy.max_lag is None:
+                raise ValueError("the staleness guard tightens max_lag, so it needs a bounded max_lag")
+            self.guard = StalenessGuard(guard, policy.max_lag)
         self.ledger = RolloutLedger()
         self._groups: dict[str, GroupVersions] = {}
         self._failed: dict[str, GroupVersions] = {}
@@ -151,6 +162,25 @@ class StalenessCore:
             del self._groups[uid]
         return lags
 
+    def observe_ess(self, step: int, ess: float) -> str | None:
+        """The batch trained into version ``step`` had importance weights with ``ESS/N = ess``: the guard may move
+        the effective bound (every later decision uses it). Returns a one-line note when it moved."""
+        if self.guard is None:
+            return None
+        moved = self.guard.observe(step, ess)
+        if moved is None:
+            return None
+        self._apply_guard()
+        old, new = moved
+        verb = "tightened" if new < old else "relaxed"
+        return (
+            f"hetero.guard: ESS/N {ess:.3f} at step {step}: effective max_lag {verb} {old} -> {new} "
+            f"(ceiling {self.configured_policy.max_lag})"
+        )
+
+    def _apply_guard(self) -> None:
+        self.policy = dataclasses.replace(self.configured_policy, max_lag=self.guard.effective)
+
     def reconcile(self, present: Iterable[str]) -> list[str]:
         """After a resume: queued groups the restored queue no longer holds are dropped (``missing_after_resume``)."""
         present = set(present)
@@ -174,6 +204,7 @@ class StalenessCore:
             "failed": {uid: [v.min, v.max, v.submitted] for uid, v in self._failed.items()},
             "mixed_version_trained": self.mixed_version_trained,
             "version_floors": {str(step): floor for step, floor in self.version_floors.items()},
+            "guard": self.guard.state_dict() if self.guard is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -184,6 +215,9 @@ class StalenessCore:
         # in place: the weight path holds a reference to this dict
         self.version_floors.clear()
         self.version_floors.update({int(step): int(floor) for step, floor in state.get("version_floors", {}).items()})
+        if self.guard is not None and state.get("guard") is not None:
+            self.guard.load_state_dict(state["guard"])
+            self._apply_guard()
         queued = set(self.ledger.queued_groups())
         if queued != set(self._groups) | set(self._failed):
             raise ValueError("hetero state: the ledger's queued groups differ from the recorded versions")
@@ -194,4 +228,6 @@ class StalenessCore:
         for reason in REASONS:
             out.setdefault(f"{prefix}dropped/{reason}", 0.0)
         out[f"{prefix}mixed_version_groups_total"] = float(self.mixed_version_trained)
+        if self.guard is not None:
+            out.update(self.guard.metrics(prefix))
         return out

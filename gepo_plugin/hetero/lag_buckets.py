@@ -14,12 +14,16 @@ from collections.abc import MutableMapping
 
 import torch
 
+from gepo_plugin.hetero.guard import ess_fraction_from_sums
+
 #: Lower edges of the lag buckets; each bucket runs to the next edge - 1.
 LAG_EDGES: tuple[int, ...] = (0, 1, 3, 9, 33)
 #: Per-bucket additive statistics the loss reports.
 SUM_FIELDS: tuple[str, ...] = ("count", "sum", "sumsq")
 #: Metric path segment of the by-lag statistics (``actor/gepo/iw_by_lag/<bucket>/<field>``).
 BY_LAG = "iw_by_lag/"
+#: Metric name (beside ``iw_by_lag/``) of the whole step's ESS/N, exact over every micro-batch and rank.
+STEP_ESS = "ess_step"
 
 
 def bucket_labels(edges: tuple[int, ...] = LAG_EDGES) -> list[str]:
@@ -56,7 +60,7 @@ def weight_sums_by_lag(
 
 
 def stats_from_sums(sums: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """Mean, (population) variance and share of the samples per bucket; buckets with no sample are absent."""
+    """Mean, (population) variance, ESS/N and share of the samples per bucket; buckets with no sample are absent."""
     total = sum(entry["count"] for entry in sums.values())
     out: dict[str, dict[str, float]] = {}
     for label, entry in sums.items():
@@ -66,6 +70,7 @@ def stats_from_sums(sums: dict[str, dict[str, float]]) -> dict[str, dict[str, fl
             out[label] = {
                 "mean": mean,
                 "var": max(entry["sumsq"] / count - mean * mean, 0.0),
+                "ess": ess_fraction_from_sums(count, entry["sum"], entry["sumsq"]),
                 "count": count,
                 "fraction": count / total,
             }
@@ -80,10 +85,11 @@ def weight_stats_by_lag(
 
 
 def finalize_lag_metrics(metrics: MutableMapping[str, float]) -> MutableMapping[str, float]:
-    """Replace ``.../iw_by_lag/<bucket>/{count,sum,sumsq}`` (a step's totals) by ``mean``, ``var``, ``fraction``.
+    """Replace ``.../iw_by_lag/<bucket>/{count,sum,sumsq}`` (a step's totals) by ``mean``, ``var``, ``ess``,
+    ``fraction``, and add the whole step's ESS/N as ``.../ess_step`` (beside ``iw_by_lag/``).
 
     The totals may all carry one common scale (verl averages over ranks and mini-batches); mean,
-    variance and fraction are ratios, so the scale cancels. Empty buckets get no mean/var. In place.
+    variance, ESS/N and fraction are ratios, so the scale cancels. Empty buckets get no mean/var/ess. In place.
     """
     groups: dict[str, dict[str, dict[str, float]]] = {}
     for key in [k for k in metrics if BY_LAG in k and k.rsplit("/", 1)[-1] in SUM_FIELDS]:
@@ -92,6 +98,8 @@ def finalize_lag_metrics(metrics: MutableMapping[str, float]) -> MutableMapping[
         groups.setdefault(prefix, {}).setdefault(label, {})[field] = float(metrics.pop(key))
     for prefix, sums in groups.items():
         for label, stats in stats_from_sums(sums).items():
-            for name in ("mean", "var", "fraction"):
+            for name in ("mean", "var", "ess", "fraction"):
                 metrics[f"{prefix}/{label}/{name}"] = stats[name]
+        totals = [sum(entry.get(name, 0.0) for entry in sums.values()) for name in SUM_FIELDS]
+        metrics[prefix.removesuffix(BY_LAG.rstrip("/")) + STEP_ESS] = ess_fraction_from_sums(*totals)
     return metrics

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt, model_validator
 
 from gepo_plugin import config_keys
 from gepo_plugin.hetero.delays import DelayConfig, DelayModel
+from gepo_plugin.hetero.guard import GuardConfig, check_guard
 from gepo_plugin.hetero.staleness import (
     DEFAULT_ADMISSION_MARGIN,
     DEFAULT_MAX_LAG,
@@ -108,6 +109,11 @@ class HeteroConfig(BaseModel):
     health: HealthConfig = Field(
         default_factory=HealthConfig, description="detection of samplers that died or hung (hetero.health.*)"
     )
+    guard: GuardConfig = Field(
+        default_factory=GuardConfig,
+        description="the staleness guard (hetero.guard.*): tighten the effective max lag while the importance "
+        "weights' ESS/N is low",
+    )
     replace_failed: StrictBool = Field(
         False,
         description="true: a retired sampler replica is replaced by a new one, which installs the learner's current "
@@ -128,6 +134,7 @@ class HeteroConfig(BaseModel):
             self.policy()
         except StalenessConfigError as error:
             raise ValueError(str(error)) from None
+        check_guard(self.guard, self.policy())
         return self
 
     def policy(self) -> StalenessPolicy:
@@ -164,6 +171,10 @@ class HeteroSettings:
     @property
     def health(self) -> HealthConfig:
         return self.config.health
+
+    @property
+    def guard(self) -> GuardConfig:
+        return self.config.guard
 
     @property
     def simulates_delay(self) -> bool:

@@ -8,12 +8,13 @@ same staleness rule as a verl run (``tests/test_hetero_differential.py`` feeds o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
 
 from gepo_plugin.hetero.core import StalenessCore
+from gepo_plugin.hetero.guard import GuardConfig
 from gepo_plugin.hetero.staleness import StalenessPolicy
 
 
@@ -29,9 +30,16 @@ class Group(Protocol):
 class LabRolloutQueue:
     """Finished groups waiting for the lab's learner."""
 
-    def __init__(self, policy: StalenessPolicy) -> None:
-        self.core = StalenessCore(policy)
+    def __init__(
+        self,
+        policy: StalenessPolicy,
+        guard: GuardConfig | None = None,
+        on_drop: Callable[[Any, str], None] | None = None,
+    ) -> None:
+        self.core = StalenessCore(policy, guard)
         self.store: dict[str, Any] = {}
+        #: called with each dropped group and its reason, before its tensors are released
+        self.on_drop = on_drop
 
     @property
     def ledger(self):
@@ -51,8 +59,10 @@ class LabRolloutQueue:
         """Drop what may not be trained at ``learner_version`` (with its reason) and release its tensors."""
         reasons = self.core.evictions(learner_version)
         self.core.drop(reasons)
-        for uid in reasons:
-            self.store.pop(uid, None)
+        for uid, reason in reasons.items():
+            group = self.store.pop(uid, None)
+            if group is not None and self.on_drop is not None:
+                self.on_drop(group, reason)
         return reasons
 
     def ready(self, learner_version: int, batch_size: int, in_flight: Mapping[str, int]) -> bool:

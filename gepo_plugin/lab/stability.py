@@ -76,6 +76,7 @@ from typing import Any
 
 import numpy as np
 
+from gepo_plugin.hetero import drop_bias
 from gepo_plugin.lab.plots import plots_available
 from gepo_plugin.lab.stability_config import (
     PRESET_SUMMARIES,
@@ -119,8 +120,21 @@ def aggregate(runs: list[dict[str, Any]], methods: list[str], lags: list[int]) -
             row["lag_mean"] = float(np.mean([r["lag_mean"] for r in chosen]))
             row["lag_max"] = int(max(r["lag_max"] for r in chosen))
             row["own_weight"] = OWN_WEIGHT[method]
+            row["ess_mean"] = float(np.mean([r.get("ess_mean", float("nan")) for r in chosen]))
+            row["drop_bias"] = _pooled_drop_bias(chosen)
             rows.append(row)
     return rows
+
+
+def _pooled_drop_bias(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Dropped against trained trajectories over every seed of a (method, lag): means of the pooled totals."""
+    dropped: dict[str, float] = {}
+    trained: dict[str, float] = {}
+    for run in runs:
+        totals = run.get("drop_totals", {})
+        dropped = drop_bias.add(dropped, totals.get("dropped", {}))
+        trained = drop_bias.add(trained, totals.get("trained", {}))
+    return drop_bias.bias_metrics("", dropped, trained) | {"dropped_trajectories": dropped.get("trajectories", 0.0)}
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
@@ -147,6 +161,22 @@ def markdown_table(summary: dict[str, Any]) -> str:
         "IW var: variance over the batch of the method's own importance weight, averaged over steps "
         "(token_is = p_t/q_t, seq_is = length-normalised p/q, gepo = p/E_hat_q[q]); KL: k3 token mean.",
     ]
+    dropping = [row for row in summary["aggregate"] if row["drop_bias"].get("dropped_trajectories", 0) > 0]
+    if dropping:
+        lines += [
+            "",
+            "What dropping costs (trajectories dropped for staleness against those trained, pooled over seeds):",
+            "",
+            "| method | max lag | dropped | length dropped / trained | reward dropped / trained |",
+            "|---|---|---|---|---|",
+        ]
+        for row in dropping:
+            bias = row["drop_bias"]
+            lines.append(
+                f"| {row['method']} | {row['max_lag']} | {bias['dropped_trajectories']:.0f} "
+                f"| {bias['dropped/length_mean']:.2f} / {bias['trained/length_mean']:.2f} "
+                f"| {bias['dropped/reward_mean']:.3f} / {bias['trained/reward_mean']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, model_validator
 
+from gepo_plugin.hetero.guard import GuardConfig, check_guard
 from gepo_plugin.hetero.staleness import DEFAULT_ADMISSION_MARGIN, DEFAULT_STRATEGY, StalenessPolicy
 from gepo_plugin.options import STRICT_BLOCK, OptionsError, parse_options
 
@@ -88,6 +89,10 @@ class StabilityConfig(BaseModel):
     admission_margin: int = Field(
         DEFAULT_ADMISSION_MARGIN, ge=0, description="samplers pause when their weights are older than max_lag - this"
     )
+    guard: GuardConfig = Field(
+        default_factory=GuardConfig,
+        description="HeteroRL's staleness guard (verl's hetero.guard.*), on the ESS/N of each update's own weights",
+    )
     # live mode
     live: StrictBool = Field(
         False,
@@ -121,7 +126,9 @@ class StabilityConfig(BaseModel):
         if not self.live and (self.time_scale is not None or self.ray_cpus is not None):
             raise ValueError("time_scale and ray_cpus only apply with live=true (--live)")
         for lag in self.lags:
-            self.policy(lag)  # the margin must fit every bound (wait)
+            policy = self.policy(lag)  # the margin must fit every bound (wait)
+            if lag > 0:  # a guard has nothing to tighten on-policy
+                check_guard(self.guard, policy)
         return self
 
     @property

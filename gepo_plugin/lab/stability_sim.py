@@ -46,6 +46,9 @@ import numpy as np
 import torch
 
 from gepo_plugin import config_keys as keys
+from gepo_plugin.hetero import drop_bias
+from gepo_plugin.hetero.core import STALENESS_REASONS
+from gepo_plugin.hetero.guard import ess_fraction
 from gepo_plugin.hetero.weight_schedule import WeightArrivalSchedule
 from gepo_plugin.lab.rollout_queue import LabRolloutQueue
 from gepo_plugin.lab.stability_config import METHODS, StabilityConfig
@@ -251,11 +254,8 @@ def policy_update(
     with torch.no_grad():
         logp = log_prob.detach()
         seq_p, seq_q = sequence_log_prob(logp, fmask), sequence_log_prob(old_log_prob, fmask)
-        weights = {
-            "gepo": torch.exp(seq_p - log_e),
-            "seq_is": torch.exp(seq_p - seq_q),
-            "token_is": torch.exp(logp - old_log_prob)[mask],
-        }
+        log_weights = {"gepo": seq_p - log_e, "seq_is": seq_p - seq_q, "token_is": (logp - old_log_prob)[mask]}
+        weights = {name: torch.exp(values) for name, values in log_weights.items()}
         kl = k3_kl(logp, old_log_prob)[mask].mean()
     return {
         "loss": float(loss.detach()),
@@ -264,6 +264,7 @@ def policy_update(
         "iw_var": float(weights[OWN_WEIGHT[spec.name]].var(unbiased=False)),
         "seq_is_var": float(weights["seq_is"].var(unbiased=False)),
         "gepo_w_var": float(weights["gepo"].var(unbiased=False)),
+        "ess": ess_fraction(log_weights[OWN_WEIGHT[spec.name]]),
         "kl": float(kl),
         "clipfrac": float(loss_metrics.get("actor/pg_clipfrac", float("nan"))),
     }
@@ -283,6 +284,9 @@ class RunRecord:
     ledger: dict[str, float] = field(default_factory=dict)
     sim_seconds: float = 0.0
     rollout_batches: int = 0
+    guard_changes: list[str] = field(default_factory=list)  # the staleness guard's notes, in order
+    dropped_totals: dict[str, float] = field(default_factory=dict)  # trajectories dropped for staleness
+    trained_totals: dict[str, float] = field(default_factory=dict)
     live: dict[str, Any] = field(default_factory=dict)  # live mode only: wall-clock facts (empty when simulated)
 
     def to_dict(self) -> dict[str, Any]:
@@ -309,6 +313,11 @@ class RunRecord:
             "kl_mean": _mean_of(self.steps, "kl"),
             "kl_max": max(s["kl"] for s in self.steps) if self.steps else 0.0,
             "clipfrac_mean": _mean_of(self.steps, "clipfrac"),
+            "ess_mean": _mean_of(self.steps, "ess"),
+            "ess_min": min(s["ess"] for s in self.steps) if self.steps else 1.0,
+            "guard_changes": list(self.guard_changes),
+            "drop_bias": drop_bias.bias_metrics("", self.dropped_totals, self.trained_totals),
+            "drop_totals": {"dropped": dict(self.dropped_totals), "trained": dict(self.trained_totals)},
             "ledger": dict(self.ledger),
             "sim_seconds": self.sim_seconds,
             "rollout_batches": self.rollout_batches,
@@ -316,6 +325,13 @@ class RunRecord:
         if self.live:
             out["live"] = dict(self.live)
         return out
+
+
+def trajectory_totals(groups: list[Rollout]) -> dict[str, float]:
+    """Count, response length and reward of the groups' trajectories (the drop-bias books)."""
+    lengths = torch.cat([g.mask.sum(-1) for g in groups]).numpy()
+    rewards = torch.cat([g.rewards.reshape(-1) for g in groups]).numpy()
+    return drop_bias.totals(lengths, rewards)
 
 
 def _mean_of(rows: list[dict[str, float]], key: str) -> float:
@@ -375,13 +391,19 @@ class Learner:
         self.setup = setup
         model, config, max_lag, seed = setup.model, setup.config, setup.max_lag, setup.seed
         self.model, self.spec, self.task, self.config, self.seed = model, setup.spec, setup.task, config, seed
-        self.queue = LabRolloutQueue(config.policy(max_lag))
+        self.queue = LabRolloutQueue(
+            config.policy(max_lag), config.guard if max_lag > 0 else None, on_drop=self._count_dropped
+        )
         self.ledger = self.queue.ledger
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=0.01)
         model.eval()
         self.record = RunRecord(seed=seed, method=setup.spec.name, max_lag=max_lag)
         self.version = 0
         self.busy = False  # an update is running: its version is not visible yet
+
+    def _count_dropped(self, group: Rollout, reason: str) -> None:
+        if reason in STALENESS_REASONS:
+            self.record.dropped_totals = drop_bias.add(self.record.dropped_totals, trajectory_totals([group]))
 
     def evaluate(self) -> float:
         """Held-out pass@1 of the current model (seeded, so every eval of every method shares its samples)."""
@@ -436,6 +458,11 @@ class Learner:
             batch_groups=float(len(groups)),
             sim_time=now,
         )
+        note = self.queue.core.observe_ess(version + 1, metrics["ess"])  # the staleness guard, if enabled
+        if note is not None:
+            self.record.guard_changes.append(note)
+        metrics["effective_max_lag"] = float(self.queue.policy.max_lag if self.queue.policy.max_lag is not None else -1)
+        self.record.trained_totals = drop_bias.add(self.record.trained_totals, trajectory_totals(groups))
         self.record.steps.append(metrics)
         self.record.lags.extend(int(lag) for lag in lags)
         self.ledger.check()

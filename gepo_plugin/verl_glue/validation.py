@@ -163,6 +163,17 @@ def _check_separate_async(config: DictConfig) -> None:
         )
 
 
+def _check_guard_has_weights(config: DictConfig, hetero: HeteroSettings) -> None:
+    """The guard reads the ESS/N of GEPO's weights by lag (``actor/gepo/ess_step``); only GEPO's losses report it."""
+    loss_mode = _select(config, LOSS_MODE)
+    if hetero.enable and hetero.guard.enable and loss_mode not in POLICY_LOSSES:
+        raise PluginConfigError(
+            f"{HETERO}.guard.enable=true reads the ESS/N of the trained batch's importance weights, which the "
+            f"{' and '.join(POLICY_LOSSES)} losses report (actor/gepo/ess_step), but {LOSS_MODE}={loss_mode}: use "
+            f"algorithm.loss={POLICY_LOSSES[0]} (or {POLICY_LOSSES[1]}), or set {HETERO}.guard.enable=false"
+        )
+
+
 def _check_hetero_layout(config: DictConfig, hetero: HeteroSettings) -> None:
     """``hetero.sampler_groups`` / ``group_delays`` must fit the rollout replicas verl will start (checked on the
     settled config: the CPU backend sets the rollout's parallel size)."""
@@ -263,7 +274,9 @@ def validate_plugin_config(
     _check_standalone_rollout(config)
     _check_separate_async(config)
     check_nothing_ignored(config, explicit)
-    _check_hetero_layout(config, hetero if hetero is not None else parse_hetero(_select(config, HETERO)))
+    hetero = hetero if hetero is not None else parse_hetero(_select(config, HETERO))
+    _check_hetero_layout(config, hetero)
+    _check_guard_has_weights(config, hetero)
     if _select(config, BYPASS_MODE, False) and _select(config, CALCULATE_LOG_PROBS) is False:
         raise PluginConfigError(
             f"{BYPASS_MODE}=true uses the sampler's log-probs as the old policy, but {CALCULATE_LOG_PROBS}="

@@ -30,10 +30,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-from gepo_plugin.hetero.core import FAILED, OVERFLOW, StalenessCore
+from gepo_plugin.hetero.core import FAILED, OVERFLOW, STALENESS_REASONS, StalenessCore
+from gepo_plugin.hetero.drop_bias import DROPPED_STEP
+from gepo_plugin.hetero.drop_bias import totals as drop_totals
 from gepo_plugin.hetero.lags import lag_summary
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
 from gepo_plugin.verl_glue import seam
@@ -58,7 +61,7 @@ class HeteroReplayBuffer(ReplayBufferAsync):
         # verl's own prompt-step threshold is replaced by the core's version rule.
         kwargs["max_off_policy_threshold"] = None
         super().__init__(*args, sampler_kwargs=sampler_kwargs, **kwargs)
-        self.core = StalenessCore(self.settings.policy)
+        self.core = StalenessCore(self.settings.policy, self.settings.guard)
         self._evicting: dict[str, str] = {}
         self._resumed_check_pending = False
         #: called while the learner waits for data (the delayed weight sync installs due arrivals).
@@ -138,7 +141,10 @@ class HeteroReplayBuffer(ReplayBufferAsync):
         return evicted, set(), failed, Counter()
 
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons):
+        dropped: dict[str, float] = {}
         if partition_id == TRAIN:
+            stale = {uid for uid, reason in self._evicting.items() if reason in STALENESS_REASONS}
+            dropped = self._dropped_totals(partition_id, stale)
             self.core.drop(self._evicting)
             self._evicting = {}
         evicted, stale_count, dapo_count, metrics = super()._evict_terminal_groups(
@@ -146,7 +152,19 @@ class HeteroReplayBuffer(ReplayBufferAsync):
         )
         # verl's own stale metrics count prompt-submission spans; HeteroRL's books are under hetero/.
         metrics = {k: v for k, v in metrics.items() if "/off_policy/" not in k}
+        # additive: verl sums them over its polls; the trainer turns them into means beside the trained ones
+        metrics.update({f"{PREFIX}{DROPPED_STEP}{name}": value for name, value in dropped.items()})
         return evicted, stale_count, dapo_count, metrics
+
+    def _dropped_totals(self, partition_id: str, uids: set[str]) -> dict[str, float]:
+        """Count, response length and reward of the trajectories of ``uids`` (read before verl clears them)."""
+        tags = {key: tag for key, tag in self.partitions[partition_id].items() if uid_of(key) in uids}
+        if not tags:
+            return {}
+        keys = list(tags)
+        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["rm_scores"]).to_padded_tensor()
+        rewards = data["rm_scores"].float().sum(-1).numpy()
+        return drop_totals([tags[key].get("response_len", 0) for key in keys], rewards)
 
     def _has_enough_samples(self, global_steps, partition_id, batch_size, sampleable_keys) -> bool:
         if partition_id == TRAIN and self.core.urgent(global_steps - 1, self._in_flight(partition_id)):

@@ -29,7 +29,8 @@ import torch
 from omegaconf import OmegaConf
 
 from gepo_plugin.config_keys import HETERO, HF_ROLLOUT_LATENCY
-from gepo_plugin.hetero.lag_buckets import finalize_lag_metrics
+from gepo_plugin.hetero import drop_bias
+from gepo_plugin.hetero.lag_buckets import STEP_ESS, finalize_lag_metrics
 from gepo_plugin.hetero.lags import response_lags
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
 from gepo_plugin.verl_glue import seam
@@ -102,7 +103,7 @@ class HeteroMixin(AdvantageFieldsMixin):
 
     def _advantage_reads(self) -> frozenset[str]:
         reads = super()._advantage_reads()
-        return reads | {"extra_fields"} if self._hetero_buffer() is not None else reads
+        return reads | {"extra_fields", "rm_scores"} if self._hetero_buffer() is not None else reads
 
     def _advantage_writes(self, batch, data, metrics: dict) -> dict[str, torch.Tensor]:
         writes = super()._advantage_writes(batch, data, metrics)
@@ -112,6 +113,7 @@ class HeteroMixin(AdvantageFieldsMixin):
 
         lags = response_lags(batch.keys, batch.tags, learner_version=self.global_steps - 1)
         metrics.update(self._throughput_metrics(batch, data["extra_fields"]))
+        metrics.update(self._drop_bias_metrics(batch, data["rm_scores"], metrics))
         sync = self._weight_sync()
         if sync is not None:  # this step's view: alive groups, failures and replacements so far
             metrics.update(sync.roster.metrics())
@@ -120,9 +122,27 @@ class HeteroMixin(AdvantageFieldsMixin):
 
     def _update_actor(self, batch, metrics: dict):
         batch = super()._update_actor(batch, metrics=metrics)
-        # the loss reports by-lag totals; the step's mean / var / fraction per bucket come from them
+        # the loss reports by-lag totals; the step's mean / var / ESS / fraction per bucket come from them
         finalize_lag_metrics(metrics)
+        buffer = self._hetero_buffer()
+        from gepo_plugin.verl_glue.losses import METRIC_PREFIX
+
+        ess = metrics.get(f"{METRIC_PREFIX}{STEP_ESS}")
+        if buffer is not None and ess is not None:  # the staleness guard reads the trained batch's ESS/N
+            note = buffer.core.observe_ess(self.global_steps, float(ess))
+            if note is not None:
+                logger.warning(note)
         return batch
+
+    @staticmethod
+    def _drop_bias_metrics(batch, rm_scores: torch.Tensor, metrics: dict) -> dict[str, float]:
+        """The step's dropped trajectories (totals the replay buffer reported) against the trained ones."""
+        real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
+        lengths = [batch.tags[i].get("response_len", 0) for i in real]
+        trained = drop_bias.totals(lengths, rm_scores.float().sum(-1)[real].numpy())
+        prefix = f"hetero/{drop_bias.DROPPED_STEP}"
+        dropped = {name: float(metrics.pop(prefix + name, 0.0)) for name in drop_bias.TOTALS}
+        return drop_bias.bias_metrics("hetero/", dropped, trained)
 
     def _server_groups(self) -> dict[str, str]:
         """Rollout server address -> sampler group label (``learner`` for the hybrid replicas on the learner).
