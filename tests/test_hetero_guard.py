@@ -34,12 +34,12 @@ def test_the_step_ess_from_per_bucket_totals_equals_the_whole_batch_formula():
     for sums in halves:
         for label, entry in sums.items():
             for name, value in entry.items():
-                key = f"actor/gepo/iw_by_lag/{label}/{name}"
+                key = f"actor/gepo/seq_is_by_lag/{label}/{name}"
                 metrics[key] = metrics.get(key, 0.0) + value
     finalize_lag_metrics(metrics)
     assert metrics["actor/gepo/ess_step"] == pytest.approx(ess_fraction(log_w), rel=1e-12)
-    assert metrics["actor/gepo/iw_by_lag/3-8/ess"] == pytest.approx(ess_fraction(log_w[3:5]), rel=1e-12)
-    assert metrics["actor/gepo/iw_by_lag/33+/ess"] == pytest.approx(1.0)
+    assert metrics["actor/gepo/seq_is_by_lag/3-8/ess"] == pytest.approx(ess_fraction(log_w[3:5]), rel=1e-12)
+    assert metrics["actor/gepo/seq_is_by_lag/33+/ess"] == pytest.approx(1.0)
 
 
 def test_the_rule_tightens_after_patience_low_steps_and_relaxes_after_patience_high_ones():

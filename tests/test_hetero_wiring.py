@@ -160,6 +160,10 @@ def test_gepo_weight_by_lag_bucket_through_verls_ppo_loss_and_metric_aggregation
         assert step[f"actor/gepo/iw_by_lag/{label}/mean"] == pytest.approx(float(w[rows].mean()), rel=1e-6)
         assert step[f"actor/gepo/iw_by_lag/{label}/var"] == pytest.approx(float(w[rows].var(unbiased=False)), rel=1e-4)
     assert step["actor/gepo/iw_by_lag/0/fraction"] == pytest.approx(0.5)
+    # the staleness guard's input: the step's ESS/N of the sequence ratio p_i / q_i, exact across ranks
+    seq_ratio = torch.exp(seq_logp - (b.old_log_prob * b.mask).sum(-1) / b.mask.sum(-1)).double()
+    expected_ess = float(seq_ratio.sum() ** 2 / (len(seq_ratio) * (seq_ratio**2).sum()))
+    assert step["actor/gepo/ess_step"] == pytest.approx(expected_ess, rel=1e-9)
     assert not any("iw_by_lag/1-2" in key or key.endswith(("/sum", "/sumsq", "/count")) for key in step)
     # without HeteroRL's lag field there are no lag metrics
     model_output, data = build_loss_inputs(

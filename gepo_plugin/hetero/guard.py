@@ -2,8 +2,9 @@
 
 Stale samples hurt through their importance weights: as the learner moves away from the samplers' weights, a few
 sequences carry most of the weight and the rest contribute little. The effective sample size of a batch's
-weights, ``ESS/N = (sum w)^2 / (N sum w^2)`` (1 when all are equal, 1/N when one dominates), measures that. No
-framework watches it; this guard does, and acts before the run collapses:
+sequence ratios ``w_i = p_i / q_i`` (length-normalised, as GSPO's and GEPO's), ``ESS/N = (sum w)^2 / (N sum w^2)``
+(exactly 1 on-policy, 1/N when one sequence dominates), measures that whatever the loss. No framework watches it;
+this guard does, and acts before the run collapses:
 
 * after ``patience`` consecutive trained steps with ``ESS/N < min_ess`` the effective max lag halves (not below
   ``floor``);

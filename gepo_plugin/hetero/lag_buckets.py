@@ -20,9 +20,13 @@ from gepo_plugin.hetero.guard import ess_fraction_from_sums
 LAG_EDGES: tuple[int, ...] = (0, 1, 3, 9, 33)
 #: Per-bucket additive statistics the loss reports.
 SUM_FIELDS: tuple[str, ...] = ("count", "sum", "sumsq")
-#: Metric path segment of the by-lag statistics (``actor/gepo/iw_by_lag/<bucket>/<field>``).
+#: Metric path segment of the by-lag statistics of the loss's own weight (``actor/gepo/iw_by_lag/<bucket>/<field>``).
 BY_LAG = "iw_by_lag/"
-#: Metric name (beside ``iw_by_lag/``) of the whole step's ESS/N, exact over every micro-batch and rank.
+#: The same for the sequence importance ratio ``p_i / q_i`` (1 on-policy; the staleness guard's input).
+IS_BY_LAG = "seq_is_by_lag/"
+BY_LAG_SEGMENTS: tuple[str, ...] = (BY_LAG, IS_BY_LAG)
+#: Metric name (beside ``seq_is_by_lag/``) of the whole step's ESS/N of ``p_i / q_i``, exact over every
+#: micro-batch and rank.
 STEP_ESS = "ess_step"
 
 
@@ -85,14 +89,15 @@ def weight_stats_by_lag(
 
 
 def finalize_lag_metrics(metrics: MutableMapping[str, float]) -> MutableMapping[str, float]:
-    """Replace ``.../iw_by_lag/<bucket>/{count,sum,sumsq}`` (a step's totals) by ``mean``, ``var``, ``ess``,
-    ``fraction``, and add the whole step's ESS/N as ``.../ess_step`` (beside ``iw_by_lag/``).
+    """Replace ``.../iw_by_lag/<bucket>/{count,sum,sumsq}`` (a step's totals; ``seq_is_by_lag/`` alike) by
+    ``mean``, ``var``, ``ess``, ``fraction``, and add the whole step's ESS/N of ``p_i / q_i`` as ``.../ess_step``.
 
     The totals may all carry one common scale (verl averages over ranks and mini-batches); mean,
     variance, ESS/N and fraction are ratios, so the scale cancels. Empty buckets get no mean/var/ess. In place.
     """
     groups: dict[str, dict[str, dict[str, float]]] = {}
-    for key in [k for k in metrics if BY_LAG in k and k.rsplit("/", 1)[-1] in SUM_FIELDS]:
+    by_lag = [k for k in metrics if any(seg in k for seg in BY_LAG_SEGMENTS) and k.rsplit("/", 1)[-1] in SUM_FIELDS]
+    for key in by_lag:
         head, field = key.rsplit("/", 1)
         prefix, label = head.rsplit("/", 1)
         groups.setdefault(prefix, {}).setdefault(label, {})[field] = float(metrics.pop(key))
@@ -100,6 +105,7 @@ def finalize_lag_metrics(metrics: MutableMapping[str, float]) -> MutableMapping[
         for label, stats in stats_from_sums(sums).items():
             for name in ("mean", "var", "ess", "fraction"):
                 metrics[f"{prefix}/{label}/{name}"] = stats[name]
-        totals = [sum(entry.get(name, 0.0) for entry in sums.values()) for name in SUM_FIELDS]
-        metrics[prefix.removesuffix(BY_LAG.rstrip("/")) + STEP_ESS] = ess_fraction_from_sums(*totals)
+        if prefix.endswith(IS_BY_LAG.rstrip("/")):
+            totals = [sum(entry.get(name, 0.0) for entry in sums.values()) for name in SUM_FIELDS]
+            metrics[prefix.removesuffix(IS_BY_LAG.rstrip("/")) + STEP_ESS] = ess_fraction_from_sums(*totals)
     return metrics

@@ -91,7 +91,7 @@ class StabilityConfig(BaseModel):
     )
     guard: GuardConfig = Field(
         default_factory=GuardConfig,
-        description="HeteroRL's staleness guard (verl's hetero.guard.*), on the ESS/N of each update's own weights",
+        description="HeteroRL's staleness guard (verl's hetero.guard.*), on the ESS/N of each update's p_i/q_i",
     )
     # live mode
     live: StrictBool = Field(

@@ -264,7 +264,7 @@ def policy_update(
         "iw_var": float(weights[OWN_WEIGHT[spec.name]].var(unbiased=False)),
         "seq_is_var": float(weights["seq_is"].var(unbiased=False)),
         "gepo_w_var": float(weights["gepo"].var(unbiased=False)),
-        "ess": ess_fraction(log_weights[OWN_WEIGHT[spec.name]]),
+        "ess": ess_fraction(log_weights["seq_is"]),  # p_i / q_i: 1 on-policy, as the verl losses report it
         "kl": float(kl),
         "clipfrac": float(loss_metrics.get("actor/pg_clipfrac", float("nan"))),
     }

@@ -193,6 +193,8 @@ class GEPOLossTerms:
     log_weights: torch.Tensor | None = None
     #: rows that hold a response
     row_valid: torch.Tensor | None = None
+    #: detached per-sequence ``log(p_i / q_i)`` (length-normalised), 0 on-policy: staleness's own measure
+    log_seq_ratios: torch.Tensor | None = None
 
 
 def k3_kl(log_prob: torch.Tensor, sampler_log_prob: torch.Tensor) -> torch.Tensor:
@@ -303,7 +305,14 @@ def gepo_token_losses(
         if own_share is not None:
             metrics["own_denominator_frac"] = own_share[row_valid].double().mean()
     capped = torch.clamp(log_w, max=log_ratio_cap)
-    return GEPOLossTerms(token_losses=token_losses, metrics=metrics, log_weights=capped, row_valid=row_valid)
+    log_seq_ratios = -seq_neg_log_ratio / lengths.clamp(min=1)
+    return GEPOLossTerms(
+        token_losses=token_losses,
+        metrics=metrics,
+        log_weights=capped,
+        row_valid=row_valid,
+        log_seq_ratios=log_seq_ratios,
+    )
 
 
 @torch.no_grad()

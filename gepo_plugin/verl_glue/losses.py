@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-from gepo_plugin.hetero.lag_buckets import BY_LAG, weight_sums_by_lag
+from gepo_plugin.hetero.lag_buckets import BY_LAG, IS_BY_LAG, weight_sums_by_lag
 from gepo_plugin.maths import GroupIndex, gepo_token_losses, group_log_expectation, sequence_log_prob
 from gepo_plugin.maths.gepo_plus import GEPOPlusRule
 from gepo_plugin.verl_glue.config import gepo_options
@@ -159,10 +159,12 @@ def _gepo_family_loss(
     metrics[f"{METRIC_PREFIX}group_term_present"] = 1.0 if group_scope == "prompt" else 0.0
     lags = current_response_terms().get(RESPONSE_LAG)
     if lags is not None and terms.log_weights is not None:
-        # HeteroRL: GEPO's weight by staleness bucket. Every bucket is reported in every micro-batch as additive
-        # totals (verl needs the same keys everywhere); the trainer turns the step's totals into mean/var/fraction.
-        sums = weight_sums_by_lag(terms.log_weights, lags.to(terms.log_weights.device), terms.row_valid)
-        for label, entry in sums.items():
-            for field, value in entry.items():
-                metrics[f"{METRIC_PREFIX}{BY_LAG}{label}/{field}"] = value
+        # HeteroRL: the loss's weight and the sequence ratio p_i / q_i (the staleness guard's ESS/N) by staleness
+        # bucket. Every bucket is reported in every micro-batch as additive totals (verl needs the same keys
+        # everywhere); the trainer turns the step's totals into mean / var / ESS / fraction.
+        lags = lags.to(terms.log_weights.device)
+        for segment, log_w in ((BY_LAG, terms.log_weights), (IS_BY_LAG, terms.log_seq_ratios)):
+            for label, entry in weight_sums_by_lag(log_w, lags, terms.row_valid).items():
+                for field, value in entry.items():
+                    metrics[f"{METRIC_PREFIX}{segment}{label}/{field}"] = value
     return pg_loss, metrics

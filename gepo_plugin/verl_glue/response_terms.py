@@ -77,12 +77,12 @@ def _fix_metric_aggregation(metrics: dict) -> dict:
     (:mod:`gepo_plugin.hetero.lag_buckets`) as SUM, so every mini-batch carries the same scale (1 / dp size)."""
     from verl.utils.metric import AggregationType, Metric
 
-    from gepo_plugin.hetero.lag_buckets import BY_LAG
+    from gepo_plugin.hetero.lag_buckets import BY_LAG_SEGMENTS
 
     for key, value in list(metrics.items()):
         if not key.startswith("actor/gepo/") or not isinstance(value, Metric):
             continue
-        if BY_LAG in key:
+        if any(segment in key for segment in BY_LAG_SEGMENTS):
             metrics[key] = _rewrapped(value, AggregationType.SUM)
         elif key.endswith("_max"):
             metrics[key] = _rewrapped(value, AggregationType.MAX)

@@ -164,11 +164,11 @@ def _check_separate_async(config: DictConfig) -> None:
 
 
 def _check_guard_has_weights(config: DictConfig, hetero: HeteroSettings) -> None:
-    """The guard reads the ESS/N of GEPO's weights by lag (``actor/gepo/ess_step``); only GEPO's losses report it."""
+    """The guard reads the step's ESS/N of ``p_i / q_i`` (``actor/gepo/ess_step``); only GEPO's losses report it."""
     loss_mode = _select(config, LOSS_MODE)
     if hetero.enable and hetero.guard.enable and loss_mode not in POLICY_LOSSES:
         raise PluginConfigError(
-            f"{HETERO}.guard.enable=true reads the ESS/N of the trained batch's importance weights, which the "
+            f"{HETERO}.guard.enable=true reads the ESS/N of the trained batch's sequence ratios p_i/q_i, which the "
             f"{' and '.join(POLICY_LOSSES)} losses report (actor/gepo/ess_step), but {LOSS_MODE}={loss_mode}: use "
             f"algorithm.loss={POLICY_LOSSES[0]} (or {POLICY_LOSSES[1]}), or set {HETERO}.guard.enable=false"
         )
