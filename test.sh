@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# The test suite (what CI runs). Sets up .venv on first use; extra arguments go to pytest.
+# The test suite (what CI runs). Sets up .venv on first use; extra arguments go to pytest (one serial run).
+# Without arguments: ruff, then the suite in two phases: the tests that start no Ray cluster on both cores
+# (pytest-xdist), then the Ray and end-to-end runs one at a time (each uses every core and its own cluster).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bash "$root/scripts/bootstrap.sh"
 cd "$root"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+if [ "$#" -gt 0 ]; then
+  exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+fi
+status=0
+.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 -m "not ray and not e2e" || status=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider -m "ray or e2e" || status=$?
+exit "$status"
