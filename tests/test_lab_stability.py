@@ -151,6 +151,35 @@ def test_methods_follow_the_plugin_presets() -> None:
     assert specs["dr_grpo"].loss_agg_mode == "seq-mean-token-sum-norm" and not specs["dr_grpo"].norm_by_std
     assert specs["bnpo"].estimator == "bnpo"
     assert all(spec.clip_low == spec.clip_high == 0.2 for spec in specs.values())
+    # GEPO+'s two lab variants: the one registered loss, its mode reaching verl's actor config
+    from gepo_plugin.lab.stability_sim import actor_config_for
+
+    for name, mode in (("gepo_plus", "hard"), ("gepo_plus_soft", "soft")):
+        spec = specs[name]
+        assert spec.loss_mode == "gepo_plus" and spec.needs_group_term and spec.gepo_plus_rule().mode == mode
+        assert actor_config_for(spec).policy_loss.gepo_plus_mode == mode
+    assert specs["gepo"].gepo_plus_rule() is None
+
+
+def test_the_guard_moves_the_labs_bound_and_every_batch_keeps_the_bound_it_was_selected_under() -> None:
+    """With ESS/N thresholds at 0.99 and patience 1 the guard moves the lab's bound both ways; each batch's lags
+    stay within the bound in force when it was selected (the same core as verl's buffer decides)."""
+    from gepo_plugin.lab.stability_sim import RunSetup, simulate_run
+    from gepo_plugin.lab.stability_task import build_policy, supervised_warm_start
+
+    guard = {"enable": True, "min_ess": 0.99, "relax_ess": 0.99, "patience": 1, "floor": 0}
+    config = resolve("ci", dict(methods=["gepo"], lags=[8], rl_steps=20, eval_every=20, lr=0.01, guard=guard))
+    task = build_task(config.max_a, config.max_b, config.eval_fraction, config.task_seed)
+    model = build_policy(task, 0, config.hidden, config.layers, config.heads)
+    c = config
+    supervised_warm_start(model, task, 0, c.warm_lr, c.warm_batch, c.warm_target, c.warm_max_steps, c.warm_check_every)
+    record = simulate_run(RunSetup(model, MethodSpec.from_preset("gepo"), task, config, 8, 0))
+    notes = " ".join(record.guard_changes)
+    assert "tightened" in notes and "relaxed" in notes, notes
+    bounds = [step["effective_max_lag"] for step in record.steps]
+    assert min(bounds) < 8 and max(bounds) == 8
+    for step in record.steps:
+        assert step["lag_max"] <= step["effective_max_lag"], step
 
 
 def test_clip_option_reaches_the_loss(tmp_path: Path) -> None:

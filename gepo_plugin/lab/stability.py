@@ -159,7 +159,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
         "Eval = exact-answer pass@1 on the held-out problems (mean over `eval_samples` sampled answers each, "
         "greedy if 0); best includes the warm start (step 0); ± is the sample std over seeds.",
         "IW var: variance over the batch of the method's own importance weight, averaged over steps "
-        "(token_is = p_t/q_t, seq_is = length-normalised p/q, gepo = p/E_hat_q[q]); KL: k3 token mean.",
+        "(token_is = p_t/q_t, seq_is = length-normalised p/q, gepo = p/E_hat_q[q], gepo_plus = p/D with GEPO+'s "
+        "denominator); KL: k3 token mean.",
     ]
     dropping = [row for row in summary["aggregate"] if row["drop_bias"].get("dropped_trajectories", 0) > 0]
     if dropping:
@@ -203,9 +204,10 @@ def _plot(out_dir: Path, records: list[Any], methods: list[str], lags: list[int]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"), strict=True))
+    palette = ("tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple", "tab:brown", "tab:cyan")
+    colours = dict(zip(METHODS, palette, strict=True))
     # distinct dashes: on-policy GSPO and GRPO are gradient-identical, so their curves coincide exactly
-    styles = dict(zip(METHODS, ("-", "--", ":", "-.", (0, (5, 1, 1, 1))), strict=True))
+    styles = dict(zip(METHODS, ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (3, 1)), (0, (1, 2))), strict=True))
     fig, axes = plt.subplots(1, len(lags), figsize=(4.6 * len(lags), 3.8), squeeze=False, sharey=True)
     for ax, lag in zip(axes[0], lags, strict=True):
         for method in methods:

@@ -16,9 +16,19 @@ from gepo_plugin.hetero.guard import GuardConfig, check_guard
 from gepo_plugin.hetero.staleness import DEFAULT_ADMISSION_MARGIN, DEFAULT_STRATEGY, StalenessPolicy
 from gepo_plugin.options import STRICT_BLOCK, OptionsError, parse_options
 
-#: Methods the stability lab compares (each a preset of :data:`gepo_plugin.verl_glue.presets.PRESETS`).
-METHODS: tuple[str, ...] = ("gepo", "gspo", "grpo", "dr_grpo", "bnpo")
-Method = Literal["gepo", "gspo", "grpo", "dr_grpo", "bnpo"]
+#: Methods the stability lab compares: each a preset of :data:`gepo_plugin.verl_glue.presets.PRESETS`, with the
+#: policy-loss options (``actor_rollout_ref.actor.policy_loss.<key>``) that make a variant of it.
+METHOD_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gepo": ("gepo", {}),
+    "gspo": ("gspo", {}),
+    "grpo": ("grpo", {}),
+    "dr_grpo": ("dr_grpo", {}),
+    "bnpo": ("bnpo", {}),
+    "gepo_plus": ("gepo_plus", {"gepo_plus_mode": "hard"}),
+    "gepo_plus_soft": ("gepo_plus", {"gepo_plus_mode": "soft"}),
+}
+METHODS: tuple[str, ...] = tuple(METHOD_PRESETS)
+Method = Literal["gepo", "gspo", "grpo", "dr_grpo", "bnpo", "gepo_plus", "gepo_plus_soft"]
 
 
 class StabilityConfigError(OptionsError):
@@ -154,7 +164,12 @@ class StabilityConfig(BaseModel):
 PRESETS: dict[str, dict[str, Any]] = {
     "ci": {"methods": ["gepo", "grpo"], "lags": [0, 8], "seeds": [0], "rl_steps": 60, "eval_every": 20},
     "quick": {"methods": ["gepo", "gspo", "grpo"], "lags": [0, 64], "seeds": [0, 1], "rl_steps": 150},
-    "paper": {"methods": list(METHODS), "lags": [0, 8, 64], "seeds": [0, 1, 2, 3, 4], "rl_steps": 200},
+    "paper": {
+        "methods": ["gepo", "gspo", "grpo", "dr_grpo", "bnpo"],
+        "lags": [0, 8, 64],
+        "seeds": [0, 1, 2, 3, 4],
+        "rl_steps": 200,
+    },
 }
 PRESET_SUMMARIES = {
     "ci": "gepo and grpo at lags 0/8, seed 0, 60 updates (tests: ~40 s)",

@@ -51,7 +51,7 @@ from gepo_plugin.hetero.core import STALENESS_REASONS
 from gepo_plugin.hetero.guard import ess_fraction
 from gepo_plugin.hetero.weight_schedule import WeightArrivalSchedule
 from gepo_plugin.lab.rollout_queue import LabRolloutQueue
-from gepo_plugin.lab.stability_config import METHODS, StabilityConfig
+from gepo_plugin.lab.stability_config import METHOD_PRESETS, METHODS, StabilityConfig
 from gepo_plugin.lab.stability_task import (
     AdditionTask,
     rewards_for,
@@ -67,11 +67,21 @@ from gepo_plugin.maths import (
     k3_kl,
     sequence_log_prob,
 )
+from gepo_plugin.maths.gepo_plus import GEPOPlusRule
+from gepo_plugin.maths.options import GEPOOptions
 from gepo_plugin.verl_glue.presets import PRESETS
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, provide_response_terms
 
 #: Which importance weight each method's loss actually uses (for the weight-variance diagnostic).
-OWN_WEIGHT = {"gepo": "gepo", "gspo": "seq_is", "grpo": "token_is", "dr_grpo": "token_is", "bnpo": "token_is"}
+OWN_WEIGHT = {
+    "gepo": "gepo",
+    "gspo": "seq_is",
+    "grpo": "token_is",
+    "dr_grpo": "token_is",
+    "bnpo": "token_is",
+    "gepo_plus": "gepo_plus",
+    "gepo_plus_soft": "gepo_plus",
+}
 
 __all__ = [
     "METHODS",
@@ -98,12 +108,15 @@ class MethodSpec:
     clip_low: float
     clip_high: float
     needs_group_term: bool
+    #: policy-loss options of a variant (``actor_rollout_ref.actor.policy_loss.<key>=<value>``)
+    loss_options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def from_preset(cls, name: str) -> MethodSpec:
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; the stability lab compares {', '.join(METHODS)}")
-        preset = PRESETS[name]
+        preset_name, loss_options = METHOD_PRESETS[name]
+        preset = PRESETS[preset_name]
         settings = preset.settings
         return cls(
             name=name,
@@ -114,7 +127,15 @@ class MethodSpec:
             clip_low=float(settings[keys.CLIP_RATIO_LOW]),
             clip_high=float(settings[keys.CLIP_RATIO_HIGH]),
             needs_group_term=preset.needs_group_term,
+            loss_options=tuple(sorted(loss_options.items())),
         )
+
+    def gepo_plus_rule(self) -> GEPOPlusRule | None:
+        """GEPO+'s denominator rule with this variant's options (None for other methods)."""
+        if self.loss_mode != "gepo_plus":
+            return None
+        options = GEPOOptions(**dict(self.loss_options))
+        return GEPOPlusRule(options.gepo_plus_mode, options.gepo_plus_kl_threshold)
 
     def with_clip(self, clip: float) -> MethodSpec:
         """The same method with the ratio clip ``1 - clip .. 1 + clip`` (the lab's ``--clip``)."""
@@ -161,6 +182,7 @@ def actor_config_for(spec: MethodSpec):
             f"loss_agg_mode={spec.loss_agg_mode}",
             f"clip_ratio_low={spec.clip_low}",
             f"clip_ratio_high={spec.clip_high}",
+            *(f"policy_loss.{key}={value}" for key, value in spec.loss_options),
         ]
     )
     config.global_batch_info.update(
@@ -255,6 +277,10 @@ def policy_update(
         logp = log_prob.detach()
         seq_p, seq_q = sequence_log_prob(logp, fmask), sequence_log_prob(old_log_prob, fmask)
         log_weights = {"gepo": seq_p - log_e, "seq_is": seq_p - seq_q, "token_is": (logp - old_log_prob)[mask]}
+        rule = spec.gepo_plus_rule()
+        if rule is not None:  # the weight GEPO+ used: its denominator from each sequence's mean k3 KL
+            seq_kl = (k3_kl(logp, old_log_prob) * fmask).sum(-1) / fmask.sum(-1).clamp(min=1)
+            log_weights["gepo_plus"] = seq_p - rule.log_denominator(log_e, seq_q, seq_kl)[0]
         weights = {name: torch.exp(values) for name, values in log_weights.items()}
         kl = k3_kl(logp, old_log_prob)[mask].mean()
     return {
@@ -458,10 +484,11 @@ class Learner:
             batch_groups=float(len(groups)),
             sim_time=now,
         )
-        note = self.queue.core.observe_ess(version + 1, metrics["ess"])  # the staleness guard, if enabled
+        # the bound this batch was selected under, then the staleness guard's look at its ESS/N (if enabled)
+        metrics["effective_max_lag"] = float(self.queue.policy.max_lag if self.queue.policy.max_lag is not None else -1)
+        note = self.queue.core.observe_ess(version + 1, metrics["ess"])
         if note is not None:
             self.record.guard_changes.append(note)
-        metrics["effective_max_lag"] = float(self.queue.policy.max_lag if self.queue.policy.max_lag is not None else -1)
         self.record.trained_totals = drop_bias.add(self.record.trained_totals, trajectory_totals(groups))
         self.record.steps.append(metrics)
         self.record.lags.extend(int(lag) for lag in lags)
