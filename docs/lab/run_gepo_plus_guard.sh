@@ -16,19 +16,20 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 LAB="${LAB:-.venv/bin/gepo-lab}"
 OUT=docs/lab/gepo_plus
-SEEDS_A=(0 1 2 3 4 5 6 7 8 9)
-SEEDS_B=(10 11 12 13 14 15 16 17 18 19)
+SEEDS=(${SEEDS:-0 1 2 3 4 5 6 7 8 9})  # stage main ran 0-9 in the 180-minute session; SEEDS="10 ... 19" completes 20
+SUFFIX="seeds${SEEDS[0]}-${SEEDS[-1]}"
 COMMON=(stability --preset paper --rl-steps 400 --no-progress)
-check=("$LAB" "${COMMON[@]}" --methods gepo gspo grpo --lags 0 64 --seeds 0 --out "$OUT/check_seed0")
-plus_a=("$LAB" "${COMMON[@]}" --methods gepo_plus gepo_plus_soft --lags 0 64 --seeds "${SEEDS_A[@]}" --out "$OUT/plus_a")
-plus_b=("$LAB" "${COMMON[@]}" --methods gepo_plus gepo_plus_soft --lags 0 64 --seeds "${SEEDS_B[@]}" --out "$OUT/plus_b")
-guard_a=("$LAB" "${COMMON[@]}" --methods gepo grpo --lags 64 --guard-enable --seeds "${SEEDS_A[@]}" --out "$OUT/guard_a")
-guard_b=("$LAB" "${COMMON[@]}" --methods gepo grpo --lags 64 --guard-enable --seeds "${SEEDS_B[@]}" --out "$OUT/guard_b")
+check_a=("$LAB" "${COMMON[@]}" --methods gepo gspo grpo --lags 0 --seeds 0 --out "$OUT/check_seed0_lag0")
+check_b=("$LAB" "${COMMON[@]}" --methods gepo gspo grpo --lags 64 --seeds 0 --out "$OUT/check_seed0_lag64")
+plus_hard=("$LAB" "${COMMON[@]}" --methods gepo_plus --lags 0 64 --seeds "${SEEDS[@]}" --out "$OUT/plus_hard_$SUFFIX")
+plus_soft=("$LAB" "${COMMON[@]}" --methods gepo_plus_soft --lags 0 64 --seeds "${SEEDS[@]}" --out "$OUT/plus_soft_$SUFFIX")
+guard_gepo=("$LAB" "${COMMON[@]}" --methods gepo --lags 64 --guard-enable --seeds "${SEEDS[@]}" --out "$OUT/guard_gepo_$SUFFIX")
+guard_grpo=("$LAB" "${COMMON[@]}" --methods grpo --lags 64 --guard-enable --seeds "${SEEDS[@]}" --out "$OUT/guard_grpo_$SUFFIX")
 harsh=("$LAB" "${COMMON[@]}" --lr 3e-3 --methods gepo_plus gepo_plus_soft gepo gspo grpo --lags 0 64)
 harsh_guard=("$LAB" "${COMMON[@]}" --lr 3e-3 --methods gepo grpo --lags 64 --guard-enable)
 stage="${1:-main}"
 if [[ "${PRINT_ONLY:-0}" == 1 ]]; then
-  for command in check plus_a plus_b guard_a guard_b harsh harsh_guard; do
+  for command in check_a check_b plus_hard plus_soft guard_gepo guard_grpo harsh harsh_guard; do
     declare -n words="$command"
     printf '%q ' "${words[@]}"
     printf '\n'
@@ -36,8 +37,8 @@ if [[ "${PRINT_ONLY:-0}" == 1 ]]; then
   exit 0
 fi
 if [[ "$stage" == main ]]; then
-  { time "${check[@]}"; time "${plus_a[@]}"; time "${guard_a[@]}"; } > "$OUT.process1.log" 2>&1 &
-  { time "${plus_b[@]}"; time "${guard_b[@]}"; } > "$OUT.process2.log" 2>&1 &
+  { time "${check_a[@]}"; time "${plus_hard[@]}"; time "${guard_gepo[@]}"; } > "$OUT.process1.$SUFFIX.log" 2>&1 &
+  { time "${check_b[@]}"; time "${plus_soft[@]}"; time "${guard_grpo[@]}"; } > "$OUT.process2.$SUFFIX.log" 2>&1 &
   wait
 else
   seeds="${HARSH_SEEDS:-0 1 2 3 4}"

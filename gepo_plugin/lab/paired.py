@@ -9,6 +9,8 @@ but independence of the seeds, so the two together say how firm a difference is.
 
 ``gepo-lab paired SUMMARY.json [SUMMARY.json ...] --a gepo --b gspo`` reads one or more
 ``stability_summary.json`` files (runs of different seeds may be split over several) and prints a markdown table.
+A run made with the staleness guard on is named ``METHOD+guard`` (``--a gepo+guard --b gepo`` pairs a guarded
+run with the unguarded one of the same method, seed and max lag).
 """
 
 from __future__ import annotations
@@ -100,11 +102,22 @@ def compare(runs: Sequence[dict[str, Any]], a: str, b: str, metric: str = "last_
     return results
 
 
+GUARD_SUFFIX = "+guard"
+
+
+def run_name(method: str, config: dict[str, Any]) -> str:
+    """The name a run is paired under: its method, marked when its summary's config had the staleness guard on."""
+    guarded = bool(config.get("guard", {}).get("enable", False))
+    return method + GUARD_SUFFIX if guarded else method
+
+
 def load_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
-    """The runs of one or more stability summaries (a (method, lag, seed) appearing twice is an error)."""
+    """The runs of one or more stability summaries, named by :func:`run_name` ((name, lag, seed) twice: an error)."""
     runs, seen = [], set()
     for path in paths:
-        for run in json.loads(Path(path).read_text())["runs"]:
+        summary = json.loads(Path(path).read_text())
+        for run in summary["runs"]:
+            run = {**run, "method": run_name(run["method"], summary.get("config", {}))}
             key = (run["method"], run["max_lag"], run["seed"])
             if key in seen:
                 raise ValueError(f"{path}: run {key} appears in more than one summary")
@@ -128,7 +141,9 @@ def markdown(results: Sequence[PairedResult]) -> str:
 
 def add_paired_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("summaries", nargs="+", type=Path, help="stability_summary.json files of the runs to pair")
-    parser.add_argument("--a", required=True, help="first method (the difference is a - b), e.g. gepo")
+    parser.add_argument(
+        "--a", required=True, help="first method (the difference is a - b), e.g. gepo (guarded runs: gepo+guard)"
+    )
     parser.add_argument("--b", nargs="+", required=True, help="method(s) to compare against, e.g. gspo grpo")
     parser.add_argument("--metric", choices=METRICS, default="last_eval", help="per-run number compared")
     parser.add_argument("--json", type=Path, help="also write every comparison (with the per-seed differences) here")

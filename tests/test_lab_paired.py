@@ -1,0 +1,62 @@
+"""`gepo-lab paired`: the statistics against scipy, the pairing by (seed, max lag), guarded runs named apart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from gepo_plugin.lab import paired
+
+
+def _summary(path: Path, runs: list[tuple[str, int, int, float]], guard: bool = False) -> Path:
+    """A stability_summary.json with the fields `paired` reads (method, max_lag, seed, the metrics)."""
+    body = {
+        "config": {"guard": {"enable": guard}},
+        "runs": [
+            {"method": m, "max_lag": lag, "seed": s, "last_eval": v, "best_eval": v + 0.1, "best_to_last_gap": 0.1}
+            for m, lag, s, v in runs
+        ],
+    }
+    path.write_text(json.dumps(body))
+    return path
+
+
+@pytest.mark.parametrize(("wins", "losses"), [(0, 0), (20, 0), (12, 8), (3, 9), (1, 1)])
+def test_sign_test_is_scipys_exact_binomial_test(wins: int, losses: int) -> None:
+    expected = 1.0 if wins + losses == 0 else stats.binomtest(wins, wins + losses, 0.5).pvalue
+    assert paired.sign_test_p(wins, losses) == pytest.approx(expected, rel=1e-12)
+
+
+def test_t_interval_is_scipys() -> None:
+    values = np.random.default_rng(0).normal(0.05, 0.1, size=17)
+    mean, low, high = paired.t_interval(values)
+    expected = stats.t.interval(0.95, df=16, loc=values.mean(), scale=stats.sem(values))
+    assert mean == pytest.approx(values.mean())
+    assert (low, high) == pytest.approx(expected, rel=1e-12)
+
+
+def test_runs_pair_by_seed_and_lag_across_files_and_guarded_runs_are_named_apart(tmp_path: Path) -> None:
+    # the unguarded baseline over two files (seeds split), the guarded method in a third with the same method name
+    base_a = _summary(tmp_path / "a.json", [("gepo", 64, 0, 0.50), ("gepo", 64, 1, 0.40), ("gepo", 0, 0, 0.3)])
+    base_b = _summary(tmp_path / "b.json", [("gepo", 64, 2, 0.45)])
+    guarded = _summary(
+        tmp_path / "g.json", [("gepo", 64, 0, 0.55), ("gepo", 64, 1, 0.38), ("gepo", 64, 2, 0.45)], guard=True
+    )
+    runs = paired.load_runs([base_a, base_b, guarded])
+    assert {r["method"] for r in runs} == {"gepo", "gepo+guard"}
+    (result,) = paired.compare(runs, "gepo+guard", "gepo")  # lag 0 has no guarded run: no comparison there
+    assert result.max_lag == 64 and result.seeds == (0, 1, 2)
+    assert result.differences == pytest.approx((0.05, -0.02, 0.0))
+    assert (result.a_wins, result.b_wins, result.ties) == (1, 1, 1)
+    assert result.sign_p == 1.0
+
+
+def test_a_run_given_twice_is_refused(tmp_path: Path) -> None:
+    one = _summary(tmp_path / "one.json", [("gspo", 64, 3, 0.4)])
+    two = _summary(tmp_path / "two.json", [("gspo", 64, 3, 0.5)])
+    with pytest.raises(ValueError, match="more than one summary"):
+        paired.load_runs([one, two])
