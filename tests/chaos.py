@@ -132,10 +132,12 @@ def act(address: str, sampler: int, action: str) -> str:
     return done.stdout
 
 
-def hetero_overrides(tiny: dict[str, str], workdir: Path, steps: int, address: str, samplers: int) -> list[str]:
+def hetero_overrides(
+    tiny: dict[str, str], workdir: Path, steps: int, address: str, samplers: int, loss: str = "gepo"
+) -> list[str]:
     """A HeteroRL run with ``samplers`` one-replica sampler groups, joined to the Ray cluster at ``address``."""
     return [
-        *cpu_run_overrides(tiny, loss="gepo", mode="separate_async", steps=steps, output_dir=str(workdir)),
+        *cpu_run_overrides(tiny, loss=loss, mode="separate_async", steps=steps, output_dir=str(workdir)),
         "trainer.save_freq=5",
         "trainer.v1.separate_async.parameter_sync_step=1",
         "actor_rollout_ref.rollout.nnodes=1",

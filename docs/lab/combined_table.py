@@ -12,12 +12,15 @@ import numpy as np
 
 from gepo_plugin.lab.paired import load_runs
 
-ORDER = ("gepo", "gspo", "grpo", "dr_grpo", "bnpo")
+ORDER = ("gepo", "gepo+guard", "gepo_plus", "gepo_plus_soft", "gspo", "grpo", "grpo+guard", "dr_grpo", "bnpo")
 
 
 def main(paths: list[str]) -> None:
     runs = load_runs(paths)  # refuses a (method, lag, seed) that appears twice
-    keys = sorted({(r["max_lag"], r["method"]) for r in runs}, key=lambda k: (k[0], ORDER.index(k[1])))
+    keys = sorted(
+        {(r["max_lag"], r["method"]) for r in runs},
+        key=lambda k: (k[0], ORDER.index(k[1]) if k[1] in ORDER else len(ORDER), k[1]),
+    )
     print("| method | max lag | seeds | best eval | last eval | best − last | lag mean / max |")
     print("|---|---|---|---|---|---|---|")
     for lag, method in keys:
