@@ -36,14 +36,14 @@ def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
 
 def test_subcommands_reuse_each_lab_argument_builder() -> None:
     """Each sub-command has exactly the options of its lab's own entry point (not a hand-kept copy)."""
-    from gepo_plugin.lab import paired, stability
+    from gepo_plugin.lab import paired_cli, stability
 
     subs = _subparsers(cli.build_parser())
     assert set(subs) == {"stability", "variance", "paired"}
     standalone = {
         "stability": stability.add_stability_arguments(argparse.ArgumentParser()),
         "variance": variance.add_variance_arguments(argparse.ArgumentParser()),
-        "paired": paired.add_paired_arguments(argparse.ArgumentParser()),
+        "paired": paired_cli.add_paired_arguments(argparse.ArgumentParser()),
     }
     for name, parser in subs.items():
         assert _option_strings(parser) == _option_strings(standalone[name]), name

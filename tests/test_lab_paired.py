@@ -60,3 +60,32 @@ def test_a_run_given_twice_is_refused(tmp_path: Path) -> None:
     two = _summary(tmp_path / "two.json", [("gspo", 64, 3, 0.5)])
     with pytest.raises(ValueError, match="more than one summary"):
         paired.load_runs([one, two])
+
+
+def test_the_command_line_prints_the_table_and_draws_the_picture(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib import image
+
+    from gepo_plugin.lab import cli
+
+    base = _summary(tmp_path / "a.json", [("grpo", 64, s, 0.3 + 0.01 * s) for s in range(4)])
+    guarded = _summary(tmp_path / "g.json", [("grpo", 64, s, 0.35 + 0.01 * s) for s in range(4)], guard=True)
+    png, out = tmp_path / "forest.png", tmp_path / "paired.json"
+    argv = [
+        "paired",
+        str(base),
+        str(guarded),
+        "--a",
+        "grpo+guard",
+        "--b",
+        "grpo",
+        "--png",
+        str(png),
+        "--json",
+        str(out),
+    ]
+    assert cli.main(argv) == 0
+    assert "| grpo+guard − grpo | 64 | last_eval | 4 | +0.050" in capsys.readouterr().out
+    assert json.loads(out.read_text())[0]["a_wins"] == 4
+    height, width, _ = image.imread(png).shape
+    assert width > 400 and height > 100

@@ -50,7 +50,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per lab (options from each lab's ``add_*_arguments``)."""
-    from gepo_plugin.lab import paired, stability, variance
+    from gepo_plugin.lab import paired, paired_cli, stability, variance
 
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -83,7 +83,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
             formatter_class=_HelpFormatter,
         )
     )
-    paired.add_paired_arguments(
+    paired_cli.add_paired_arguments(
         commands.add_parser(
             "paired",
             help="paired comparison of two methods over seeds from stability summaries (CI and sign test)",
@@ -99,12 +99,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
     Bad options exit with status 2 and a message naming the problem (argparse's ``error``).
     """
-    from gepo_plugin.lab import paired, stability, variance
+    from gepo_plugin.lab import paired_cli, stability, variance
 
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     sub = parser._subparsers._group_actions[0].choices[args.command]  # the sub-parser, for its error messages
-    runners = {"stability": stability.run_cli, "variance": variance.run_cli, "paired": paired.run_cli}
+    runners = {"stability": stability.run_cli, "variance": variance.run_cli, "paired": paired_cli.run_cli}
     return runners[args.command](args, sub)
 
 

@@ -15,7 +15,6 @@ run with the unguarded one of the same method, seed and max lag).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from collections.abc import Sequence
@@ -137,28 +136,3 @@ def markdown(results: Sequence[PairedResult]) -> str:
             f"{r.ci_high:+.3f}] | {r.a_wins} / {r.b_wins} / {r.ties} | {r.sign_p:.3g} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def add_paired_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("summaries", nargs="+", type=Path, help="stability_summary.json files of the runs to pair")
-    parser.add_argument(
-        "--a", required=True, help="first method (the difference is a - b), e.g. gepo (guarded runs: gepo+guard)"
-    )
-    parser.add_argument("--b", nargs="+", required=True, help="method(s) to compare against, e.g. gspo grpo")
-    parser.add_argument("--metric", choices=METRICS, default="last_eval", help="per-run number compared")
-    parser.add_argument("--json", type=Path, help="also write every comparison (with the per-seed differences) here")
-    return parser
-
-
-def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    try:
-        runs = load_runs(args.summaries)
-    except (OSError, ValueError, KeyError) as error:
-        parser.error(str(error))
-    results = [r for b in args.b for r in compare(runs, args.a, b, args.metric)]
-    if not results:
-        parser.error(f"no (seed, max_lag) has runs of both {args.a} and {args.b}")
-    print(markdown(results), end="")
-    if args.json:
-        args.json.write_text(json.dumps([r.as_dict() for r in results], indent=2) + "\n")
-    return 0

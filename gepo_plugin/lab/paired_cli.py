@@ -1,0 +1,42 @@
+"""``gepo-lab paired``'s command line: read the summaries, print the table, write the JSON and the picture."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from gepo_plugin.lab.paired import METRICS, compare, load_runs, markdown
+from gepo_plugin.lab.plots import plots_available
+
+
+def add_paired_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("summaries", nargs="+", type=Path, help="stability_summary.json files of the runs to pair")
+    parser.add_argument(
+        "--a", required=True, help="first method (the difference is a - b), e.g. gepo (guarded runs: gepo+guard)"
+    )
+    parser.add_argument("--b", nargs="+", required=True, help="method(s) to compare against, e.g. gspo grpo")
+    parser.add_argument("--metric", choices=METRICS, default="last_eval", help="per-run number compared")
+    parser.add_argument("--json", type=Path, help="also write every comparison (with the per-seed differences) here")
+    parser.add_argument(
+        "--png", type=Path, help="also draw every comparison here: per-seed differences, mean, 95%% interval"
+    )
+    return parser
+
+
+def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        runs = load_runs(args.summaries)
+    except (OSError, ValueError, KeyError) as error:
+        parser.error(str(error))
+    results = [r for b in args.b for r in compare(runs, args.a, b, args.metric)]
+    if not results:
+        parser.error(f"no (seed, max_lag) has runs of both {args.a} and {args.b}")
+    print(markdown(results), end="")
+    if args.json:
+        args.json.write_text(json.dumps([r.as_dict() for r in results], indent=2) + "\n")
+    if args.png and plots_available():
+        from gepo_plugin.lab.paired_plot import draw_forest  # matplotlib: the optional [lab] extra
+
+        draw_forest(results, args.png)
+    return 0
