@@ -89,3 +89,13 @@ def test_the_command_line_prints_the_table_and_draws_the_picture(tmp_path: Path,
     assert json.loads(out.read_text())[0]["a_wins"] == 4
     height, width, _ = image.imread(png).shape
     assert width > 400 and height > 100
+
+
+def test_several_first_methods_compare_each_against_every_other(tmp_path: Path, capsys) -> None:
+    from gepo_plugin.lab import cli
+
+    runs = [(m, 64, s, v + 0.01 * s) for m, v in (("gepo", 0.5), ("gspo", 0.4), ("grpo", 0.3)) for s in range(3)]
+    base = _summary(tmp_path / "runs.json", runs)
+    assert cli.main(["paired", str(base), "--a", "gepo", "gspo", "--b", "gspo", "grpo"]) == 0
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == ["gepo − gspo", "gepo − grpo", "gspo − grpo"]  # a method is not compared with itself

@@ -40,6 +40,7 @@ if [[ "${PRINT_ONLY:-0}" == 1 ]]; then
   exit 0
 fi
 if [[ "$stage" == main ]]; then
+  if [[ " ${SEEDS[*]} " != *" 0 "* ]]; then check_a=(true) check_b=(true); fi  # the check is of seed 0
   { time "${check_a[@]}"; time "${plus_hard[@]}"; time "${guard_gepo[@]}"; } > "$OUT.process1.$SUFFIX.log" 2>&1 &
   { time "${check_b[@]}"; time "${plus_soft[@]}"; time "${guard_grpo[@]}"; } > "$OUT.process2.$SUFFIX.log" 2>&1 &
   wait
@@ -50,8 +51,8 @@ elif [[ "$stage" == tables ]]; then
   runs=("${base[@]}" "$OUT"/{plus_hard,plus_soft,guard_gepo,guard_grpo}_seeds*/stability_summary.json)
   .venv/bin/python docs/lab/combined_table.py "${runs[@]}" | tee "$OUT/table.md"
   {
-    "$LAB" paired "${runs[@]}" --a gepo_plus --b gepo gspo --json "$OUT/paired_plus_hard.json"
-    "$LAB" paired "${runs[@]}" --a gepo_plus_soft --b gepo gspo --json "$OUT/paired_plus_soft.json" | tail -n +3
+    "$LAB" paired "${runs[@]}" --a gepo_plus gepo_plus_soft --b gepo gspo --json "$OUT/paired_plus.json" \
+      --png "$OUT/paired_plus.png"
     "$LAB" paired "${runs[@]}" --a gepo+guard --b gepo --json "$OUT/paired_guard_gepo.json" | tail -n +3
     "$LAB" paired "${runs[@]}" --a grpo+guard --b grpo --json "$OUT/paired_guard_grpo.json" | tail -n +3
   } | tee "$OUT/paired.md"
@@ -59,8 +60,8 @@ elif [[ "$stage" == tables ]]; then
   if compgen -G "$OUT/harsh_*_seeds*" > /dev/null; then
     .venv/bin/python docs/lab/combined_table.py "${harsh_runs[@]}" | tee "$OUT/harsh_table.md"
     {
-      "$LAB" paired "${harsh_runs[@]}" --a gepo_plus --b gepo gspo
-      "$LAB" paired "${harsh_runs[@]}" --a gepo_plus_soft --b gepo gspo | tail -n +3
+      "$LAB" paired "${harsh_runs[@]}" --a gepo_plus gepo_plus_soft --b gepo gspo --json "$OUT/harsh_paired_plus.json" \
+        --png "$OUT/harsh_paired_plus.png"
       "$LAB" paired "${harsh_runs[@]}" --a gepo+guard --b gepo | tail -n +3
       "$LAB" paired "${harsh_runs[@]}" --a grpo+guard --b grpo | tail -n +3
     } | tee "$OUT/harsh_paired.md"

@@ -13,7 +13,10 @@ from gepo_plugin.lab.plots import plots_available
 def add_paired_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("summaries", nargs="+", type=Path, help="stability_summary.json files of the runs to pair")
     parser.add_argument(
-        "--a", required=True, help="first method (the difference is a - b), e.g. gepo (guarded runs: gepo+guard)"
+        "--a",
+        nargs="+",
+        required=True,
+        help="first method(s) (the difference is a - b, every a against every b), e.g. gepo (guarded runs: gepo+guard)",
     )
     parser.add_argument("--b", nargs="+", required=True, help="method(s) to compare against, e.g. gspo grpo")
     parser.add_argument("--metric", choices=METRICS, default="last_eval", help="per-run number compared")
@@ -29,7 +32,7 @@ def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         runs = load_runs(args.summaries)
     except (OSError, ValueError, KeyError) as error:
         parser.error(str(error))
-    results = [r for b in args.b for r in compare(runs, args.a, b, args.metric)]
+    results = [r for a in args.a for b in args.b if a != b for r in compare(runs, a, b, args.metric)]
     if not results:
         parser.error(f"no (seed, max_lag) has runs of both {args.a} and {args.b}")
     print(markdown(results), end="")
