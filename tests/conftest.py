@@ -83,6 +83,8 @@ def fsdp_gepo_sync_run(tiny, tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("gepo_sync_fsdp2")
     overrides = gepo_sync_overrides(tiny, workdir, 3)
-    code, metrics, log = timed_run("fsdp2 sync, 3 steps", overrides, workdir)
+    # the console must hold every line the TaskRunner printed (test_cpu_e2e reads its config back): Ray's log
+    # deduplication holds back lines that match another process's (numbers ignored) and prints them later, folded
+    code, metrics, log = timed_run("fsdp2 sync, 3 steps", overrides, workdir, env={"RAY_DEDUP_LOGS": "0"})
     assert code == 0, log[-6000:]
     return {"workdir": workdir, "metrics": metrics, "log": log, "overrides": overrides}

@@ -37,10 +37,12 @@ def gepo_sync_overrides(tiny: dict[str, str], workdir: Path, steps: int, engine:
     ]
 
 
-def timed_run(name: str, overrides: list[str], workdir: Path) -> tuple[int, dict[int, dict], str]:
+def timed_run(
+    name: str, overrides: list[str], workdir: Path, env: dict[str, str] | None = None
+) -> tuple[int, dict[int, dict], str]:
     """:func:`run_cpu_training`, printing the wall time, the start-up (wall minus verl's step times) and s/step."""
     started = time.perf_counter()
-    code, metrics, log = run_cpu_training(overrides, workdir)
+    code, metrics, log = run_cpu_training(overrides, workdir, env=env)
     wall = time.perf_counter() - started
     steps = [m["timing_s/step"] for _, m in sorted(metrics.items()) if "timing_s/step" in m]
     updates = [m["timing_s/update_actor"] for m in metrics.values() if "timing_s/update_actor" in m]

@@ -64,16 +64,23 @@ def test_gepo_sync_changes_the_actor_weights_and_saves_a_checkpoint(gepo_sync_ru
 
 
 def _task_runner_config(log: str) -> dict:
-    """The config verl's TaskRunner printed (``pprint`` of the resolved config) in a run's console output."""
+    """The config verl's TaskRunner printed (``pprint`` of the resolved config) in a run's console output.
+
+    Ray's log monitor forwards what it finds in the actor's output file, so on a busy machine it can read a line
+    half-written and forward it as two: every forwarded piece is joined back without a newline (pprint's own
+    newlines are followed by indentation, so the pieces of the print still parse as one literal)."""
     plain = re.sub(r"\x1b\[[0-9;]*m", "", log)  # Ray colours the actor prefix
-    prefix = re.compile(r"^.*?\(TaskRunnerV1 pid=\d+[^)]*\) ?")
-    lines = [prefix.sub("", line) for line in plain.splitlines() if "TaskRunnerV1" in line]
-    start = next(i for i, line in enumerate(lines) if line.startswith("{'"))
-    for end in range(start + 1, len(lines) + 1):
-        try:
-            return ast.literal_eval("\n".join(lines[start:end]))
-        except (SyntaxError, ValueError):
-            continue
+    prefix = re.compile(r"^.*?\(TaskRunnerV1 pid=\d+[^)]*\) ")  # Ray writes "<prefix> <piece>"
+    pieces = [prefix.sub("", line) for line in plain.splitlines() if "TaskRunnerV1" in line]
+    start = next(i for i, piece in enumerate(pieces) if piece.startswith("{'"))
+    text = ""
+    for piece in pieces[start:]:
+        text += piece
+        if text.rstrip().endswith("}"):
+            try:
+                return ast.literal_eval(text)
+            except (SyntaxError, ValueError):
+                continue
     raise AssertionError("no config printed by the TaskRunner")
 
 
