@@ -10,9 +10,11 @@ import sys
 
 import numpy as np
 
-from gepo_plugin.lab.paired import load_runs
+from gepo_plugin.lab.paired import GUARD_SUFFIX, load_runs
+from gepo_plugin.lab.stability_config import METHODS
 
-ORDER = ("gepo", "gepo+guard", "gepo_plus", "gepo_plus_soft", "gspo", "grpo", "grpo+guard", "dr_grpo", "bnpo")
+#: The lab's methods in their own order, each followed by its guarded runs (the names `gepo-lab paired` gives them)
+ORDER = tuple(name for method in METHODS for name in (method, method + GUARD_SUFFIX))
 
 
 def main(paths: list[str]) -> None:
