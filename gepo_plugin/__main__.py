@@ -59,7 +59,7 @@ def print_presets() -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        return doctor.run(check_ray=not args.fast)
+        return doctor.from_args(args)
     if args.command == "demo":
         from gepo_plugin.demo import run
 

@@ -63,6 +63,9 @@ ROLLOUT_TENSOR_PARALLEL = f"{ROLLOUT}.tensor_model_parallel_size"
 CALCULATE_LOG_PROBS = f"{ROLLOUT}.calculate_log_probs"
 FULL_DETERMINISM = f"{ROLLOUT}.full_determinism"
 CHECKPOINT_ENGINE_BACKEND = f"{ROLLOUT}.checkpoint_engine.backend"
+#: A module verl imports in every process that builds a checkpoint engine (so a plugin's engine is registered).
+CHECKPOINT_ENGINE_MODULE = f"{ROLLOUT}.checkpoint_engine.custom_backend_module"
+CHECKPOINT_ENGINE_KWARGS = f"{ROLLOUT}.checkpoint_engine.engine_kwargs"
 #: The CPU backend's transformers rollout options.
 HF_ROLLOUT_OPTIONS = f"{ROLLOUT}.engine_kwargs.hf"
 #: Its latency model (a modelled GPU's generation time).
@@ -81,3 +84,7 @@ REWARD_FUNCTION = "reward.custom_reward_function"
 # ---------------------------------------------------------------- HeteroRL
 HETERO = "hetero"
 HETERO_ENABLE = f"{HETERO}.enable"
+HETERO_RELAY = f"{HETERO}.relay"
+HETERO_RELAY_RUN_ID = f"{HETERO_RELAY}.run_id"
+PROJECT_NAME = "trainer.project_name"
+EXPERIMENT_NAME = "trainer.experiment_name"

@@ -132,7 +132,28 @@ def _print_seam() -> list[str]:
     return broken
 
 
-def run(check_ray: bool = True) -> int:
+def _probe_relay(url: str, storage_options: str | None, write: bool) -> list[str]:
+    """Probe a relay store as the learner (write, read back, delete) or a sampler (list); returns the problems."""
+    import json
+
+    from gepo_plugin.hetero.relay.settings import RelayConfig
+    from gepo_plugin.hetero.relay.store import RelayStore, RelayStoreError
+
+    try:
+        options = RelayConfig(url=url, storage_options=json.loads(storage_options or "{}")).storage_options
+        store = RelayStore(url, options)
+        store.probe(write=write)
+    except (RelayStoreError, ValueError) as error:
+        return [f"relay store: {error}"]
+    runs = [name for name in store.list("") if name != "_probe"]
+    listed = f": {', '.join(runs[:5])}" if runs else ""
+    print(f"  relay store {url}: {'writable' if write else 'readable'}; top-level entries {len(runs)}{listed}")
+    return []
+
+
+def run(
+    check_ray: bool = True, relay_url: str | None = None, relay_options: str | None = None, relay_write: bool = True
+) -> int:
     """Print the report; return the process exit code (0 when everything the plugin needs is there)."""
     import gepo_plugin
 
@@ -145,7 +166,7 @@ def run(check_ray: bool = True) -> int:
 
         if not verl_version_supported(found["verl"]):
             problems.append(f"verl {found['verl']} is outside the supported range {','.join(SUPPORTED_VERL)}")
-    progress = _Progress(3 if check_ray else 2)
+    progress = _Progress((3 if check_ray else 2) + (relay_url is not None))
     reports = {"this process": progress.run("importing verl and checking the registrations here", probe_process)}
     broken = progress.run("checking verl's internals the plugin uses", _print_seam)
     if check_ray:
@@ -156,6 +177,11 @@ def run(check_ray: bool = True) -> int:
             )
         except Exception as error:  # report, do not crash the doctor
             problems.append(f"could not start a Ray actor: {type(error).__name__}: {error}")
+    if relay_url is not None:
+        how = "writing, reading back and deleting a probe object" if relay_write else "listing it"
+        problems += progress.run(
+            f"probing the relay store ({how})", lambda: _probe_relay(relay_url, relay_options, relay_write)
+        )
     for where, report in reports.items():
         _print_report(where, report)
         problems.extend(_problems(report, where))
@@ -179,11 +205,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="skip the fresh Ray actor (seconds instead of up to minutes); checks this process only",
     )
+    parser.add_argument(
+        "--relay-url",
+        help="also probe this weight-relay store (hetero.relay.url: a directory or an fsspec URL such as "
+        "s3://bucket/prefix), with the credentials of this machine's environment",
+    )
+    parser.add_argument(
+        "--relay-storage-options",
+        metavar="JSON",
+        help="fsspec options of --relay-url as JSON (hetero.relay.storage_options), e.g. "
+        '\'{"client_kwargs": {"endpoint_url": "http://host:9000"}}\'',
+    )
+    parser.add_argument(
+        "--relay-read-only",
+        action="store_true",
+        help="probe --relay-url as a sampler does (list only), for a node that holds read-only credentials",
+    )
     return parser
+
+
+def from_args(args: argparse.Namespace) -> int:
+    """Run the doctor with parsed arguments (``gepo-doctor`` and ``python -m gepo_plugin doctor``)."""
+    return run(
+        check_ray=not args.fast,
+        relay_url=args.relay_url,
+        relay_options=args.relay_storage_options,
+        relay_write=not args.relay_read_only,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """``gepo-doctor`` console script."""
     parser = add_arguments(argparse.ArgumentParser(prog="gepo-doctor", description=__doc__.split("\n\n")[0]))
-    args = parser.parse_args(argv)
-    return run(check_ray=not args.fast)
+    return from_args(parser.parse_args(argv))

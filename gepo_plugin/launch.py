@@ -30,8 +30,16 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from gepo_plugin.config_keys import DEVICE, HETERO, HETERO_ENABLE, HYBRID_ENGINE, TRAINER_MODE
+from gepo_plugin.config_keys import (
+    CHECKPOINT_ENGINE_BACKEND,
+    DEVICE,
+    HETERO,
+    HETERO_ENABLE,
+    HYBRID_ENGINE,
+    TRAINER_MODE,
+)
 from gepo_plugin.config_tree import UserKeys, leaves
+from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE
 
 #: Hydra flags that take a value (``--flag value`` or ``--flag=value``).
 FLAGS_WITH_VALUE = frozenset(
@@ -143,6 +151,8 @@ def features_needed(config: DictConfig) -> list[str]:
         features += ["group_term", "metric_aggregation"]
     if OmegaConf.select(config, HETERO_ENABLE):
         features.append("hetero")
+        if OmegaConf.select(config, CHECKPOINT_ENGINE_BACKEND) == RELAY_CHECKPOINT_ENGINE:
+            features.append("weight_relay")
         if OmegaConf.select(config, HYBRID_ENGINE) is False:
             features.append("hybrid_engine_off")
     if OmegaConf.select(config, DEVICE) == CPU_PLATFORM:
@@ -229,9 +239,10 @@ def check_before_start(config: DictConfig, inspecting: bool = False) -> list[str
     from verl.utils.config import validate_config
 
     from gepo_plugin.verl_glue import seam
+    from gepo_plugin.verl_glue.hetero.relay_checks import check_relay_store
     from gepo_plugin.verl_glue.validation import check_paths, check_registered_names
 
-    warnings = check_paths(config, inspecting)
+    warnings = check_paths(config, inspecting) + check_relay_store(config, inspecting)
     seam.require(*features_needed(config))
     check_registered_names(config)
     # verl prints its progress to stdout; keep stdout for what the user asked for (``--cfg job`` pipes YAML)

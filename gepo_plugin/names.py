@@ -12,6 +12,10 @@ HETERO_TRAINER = "hetero_separate_async"
 TRAINERS = (*GEPO_TRAINER_FOR_MODE.values(), HETERO_TRAINER)
 SUPPORTED_VERL = (">=0.9.1", "<0.10")
 ENTRY_POINT_MODULE = "gepo_plugin.entry_point"
+#: The weight relay's checkpoint engine (``checkpoint_engine.backend``) and the module that registers it, which
+#: verl imports in every process that builds an engine (``checkpoint_engine.custom_backend_module``).
+RELAY_CHECKPOINT_ENGINE = "relay"
+RELAY_ENGINE_MODULE = "gepo_plugin.verl_glue.hetero.relay_engine"
 
 
 def verl_version_supported(version: str) -> bool:

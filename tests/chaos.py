@@ -68,6 +68,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def new_cluster_token() -> None:
+    """Ray authenticates clients of a cluster started with ``ray start``: the run and the drivers carry its token."""
+    CLUSTER_ENV.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)})
+
+
 @contextmanager
 def ray_cluster(cpus: int, gpus: int):
     """A local Ray head with ``gpus`` logical GPUs (verl's pools ask for them); yields its address.
@@ -76,8 +81,7 @@ def ray_cluster(cpus: int, gpus: int):
     would end every Ray cluster of the machine). Its temp dir is short: Ray's socket paths must fit 107 bytes."""
     address = f"127.0.0.1:{_free_port()}"
     temp_dir = tempfile.mkdtemp(prefix="rg", dir="/tmp")
-    # Ray authenticates clients of a cluster started with ``ray start``: the run and the drivers carry its token
-    CLUSTER_ENV.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)})
+    new_cluster_token()
     head = subprocess.Popen(
         [
             str(Path(sys.executable).with_name("ray")),

@@ -66,6 +66,18 @@ LAUNCHES: dict[str, tuple[dict[str, str], dict]] = {
             "megatron": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1},
         },
     ),
+    "hetero/run_qwen3_1.7b_gepo_math_relay.sh": (
+        {"LEARNER_NODES": "1", "SAMPLER_NODES": "2", "RELAY_URL": "s3://gepo-bucket/runs"},
+        {
+            "mode": "separate_async",
+            "learner": (1, 8),
+            "samplers": (2, 8),
+            "hetero": True,
+            "sampler_groups": [8, 8],
+            "sampler_kl_coef": 0.005,
+            "relay": "s3://gepo-bucket/runs",
+        },
+    ),
     "sync/run_qwen3_1.7b_gepo_math_sync.sh": (
         {},
         {"mode": "sync", "learner": (1, 8), "hetero": False, "sampler_kl_coef": 0.0},
@@ -309,13 +321,21 @@ def check_intent(config, expect: dict, *, prepared: bool) -> None:
     assert get("trainer.test_freq") == 64
     if mode == "separate_async":
         assert (get(f"{rollout}.nnodes"), get(f"{rollout}.n_gpus_per_node")) == expect["samplers"]
-        assert get(f"{rollout}.checkpoint_engine.backend") == "nccl"
+        relay = expect.get("relay")
+        assert get(f"{rollout}.checkpoint_engine.backend") == ("relay" if relay else "nccl")
         sync_step = get("trainer.v1.separate_async.parameter_sync_step")
         # verl's separate_async trainer asserts this in its constructor
         assert get("data.train_batch_size") == sync_step * get("actor_rollout_ref.actor.ppo_mini_batch_size")
         assert get("hetero.max_lag") == 64 and get("hetero.strategy") == "wait"
-        assert get("hetero.delay.distribution") == "lognormal"
-        assert (get("hetero.delay.low"), get("hetero.delay.high"), get("hetero.delay.confidence")) == (60, 1920, 0.995)
+        if relay:  # the delay is real: the samplers' downloads from the store
+            assert get("hetero.transport") == "relay" and get("hetero.relay.url") == relay
+            assert get("hetero.delay.distribution") == "none"
+            assert get("hetero.relay.run_id") == f"gepo_hetero/{get('trainer.experiment_name')}"
+            assert get(f"{rollout}.checkpoint_engine.engine_kwargs.relay.url") == relay
+        else:
+            assert get("hetero.delay.distribution") == "lognormal"
+            delay = (get("hetero.delay.low"), get("hetero.delay.high"), get("hetero.delay.confidence"))
+            assert delay == (60, 1920, 0.995)
         groups = get("hetero.sampler_groups")
         assert (None if groups is None else list(groups)) == expect["sampler_groups"]
         if groups is not None:  # one entry per sampler group; all standalone replicas are covered
@@ -353,14 +373,16 @@ def test_launch_config_passes_the_plugin_and_verl_checks(name, overrides_by_scri
     assert actor.policy_loss.loss_mode == "gepo"
     rollout = omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
     assert rollout.n == 8
-    assert omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine).backend in ("nccl", "naive")
+    backend = omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine).backend
+    assert backend in (("relay",) if LAUNCHES[name][1].get("relay") else ("nccl", "naive"))
     # the plugin's own parser of the hetero block (what its sampler runs at start-up)
     from gepo_plugin.hetero.settings import parse_hetero
 
     settings = parse_hetero(OmegaConf.to_container(config.hetero, resolve=True))
     assert settings.enable is LAUNCHES[name][1]["hetero"]
     if settings.enable:
-        assert settings.policy.max_lag == 64 and settings.simulates_delay
+        assert settings.policy.max_lag == 64
+        assert settings.simulates_delay is not bool(LAUNCHES[name][1].get("relay"))
         replicas = rollout.nnodes * rollout.n_gpus_per_node // rollout.tensor_model_parallel_size
         sizes = settings.group_sizes(replicas)  # raises when sampler_groups does not cover the replicas
         assert sum(sizes) == replicas

@@ -23,6 +23,9 @@ ASYNC = [
     "trainer.v1.separate_async.parameter_sync_step=1",
 ]
 HETERO = [*ASYNC, "hetero.enable=true"]
+#: HeteroRL with the weight relay (its own checkpoint engine); the store URL of a check that fails before the probe
+RELAY = [*ASYNC[:4], *ASYNC[5:], "hetero.enable=true", "hetero.transport=relay"]
+NOT_PROBED = "hetero.relay.url=/nonexistent/relay"
 
 # (name, mistake overrides, text the message must contain)
 MISTAKES = [
@@ -105,6 +108,31 @@ MISTAKES = [
     ("unregistered loss mode", ["algorithm.loss=null", "actor_rollout_ref.actor.policy_loss.loss_mode=gepoo"], "gepoo"),
     ("unknown estimator", ["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator='grpoo'"),
     ("verl's own check", ["data.train_batch_size=3"], "verl's config check failed"),
+    ("relay without a store", RELAY, "hetero.transport=relay needs hetero.relay.url"),
+    (
+        "relay with a simulated delay",
+        [*RELAY, NOT_PROBED, "hetero.delay.distribution=constant", "hetero.delay.seconds=1"],
+        "remove hetero.delay",
+    ),
+    (
+        "relay credential in storage options",
+        [*RELAY, NOT_PROBED, "+hetero.relay.storage_options.secret=abc"],
+        "hetero.relay.storage_options: secret looks like a credential",
+    ),
+    ("relay links for other groups", [*RELAY, NOT_PROBED, "hetero.relay.links=[{},{},{}]"], "one per group"),
+    ("relay with replacements", [*RELAY, NOT_PROBED, "hetero.replace_failed=true"], "hetero.replace_failed=true"),
+    (
+        "relay with another checkpoint engine",
+        [*RELAY, NOT_PROBED, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
+        "but actor_rollout_ref.rollout.checkpoint_engine.backend=nccl was set",
+    ),
+    ("relay link speed zero", [*RELAY, NOT_PROBED, "hetero.relay.links=[{bandwidth_mbps:0},{}]"], "bandwidth_mbps"),
+    ("relay store not writable", [*RELAY, "hetero.relay.url=/proc/gepo-relay"], "hetero.relay.url='/proc/gepo-relay"),
+    (
+        "relay secret not in the environment",
+        [*RELAY, NOT_PROBED, "hetero.relay.secret_env=GEPO_TEST_SECRET_NOT_SET"],
+        "GEPO_TEST_SECRET_NOT_SET",
+    ),
     (
         "modelled GPU without speed",
         ["trainer.device=cpu", "+actor_rollout_ref.rollout.engine_kwargs.hf.latency.decode_tokens_per_s=0"],
@@ -148,11 +176,28 @@ def test_each_mistake_stops_at_start_up_naming_the_key(name, mistake, expected, 
     assert "gepo-plugin: configuration error" in err and expected in err, err
 
 
-def test_the_valid_commands_pass_every_check(valid, monkeypatch, capsys):
-    for extra in ([], HETERO, [*HETERO, "hetero.delay.distribution=constant", "hetero.delay.seconds=2"]):
+def test_the_valid_commands_pass_every_check(valid, monkeypatch, capsys, tmp_path):
+    relay = [*RELAY, f"hetero.relay.url={tmp_path / 'relay'}", "hetero.relay.links=[{bandwidth_mbps:100},{}]"]
+    for extra in ([], HETERO, [*HETERO, "hetero.delay.distribution=constant", "hetero.delay.seconds=2"], relay):
         with pytest.raises(SystemExit) as stop:
             launch([*valid, *extra], monkeypatch)
         assert stop.value.code == 0, capsys.readouterr().err
+
+
+def test_the_relay_store_is_probed_before_ray_and_only_warned_about_when_printing(
+    valid, monkeypatch, capsys, caplog, tmp_path
+):
+    """A run writes, reads back and deletes a probe object in the run's store; ``--cfg job`` touches nothing."""
+    store = tmp_path / "relay"
+    with pytest.raises(SystemExit) as stop:
+        launch([*valid, *RELAY, f"hetero.relay.url={store}", "--cfg", "job"], monkeypatch)
+    assert stop.value.code == 0, capsys.readouterr().err
+    assert not store.exists() and "is not probed while printing" in caplog.text
+    with pytest.raises(SystemExit) as stop:
+        launch([*valid, *RELAY, f"hetero.relay.url={store}"], monkeypatch)
+    assert stop.value.code == 0, capsys.readouterr().err
+    probes = store / "verl_examples" / "gsm8k" / "_probe"  # the run's store: url/project/experiment (verl defaults)
+    assert probes.is_dir() and not any(probes.iterdir())  # written, read back and deleted
 
 
 def test_hydra_grammar_errors_also_exit_non_zero(valid, monkeypatch, capsys):

@@ -23,6 +23,8 @@
 #   ROLLOUT_TP [1]  ROLLOUT_GPU_MEMORY [0.85]  HYBRID_ENGINE [False]
 #   SAMPLERS_PER_NODE_GROUP [1]: sampler nodes per delay stream (hetero.sampler_groups), or set
 #   SAMPLER_GROUPS verbatim, e.g. [8,4,4] replicas per group, or null (one group per replica)
+#   WEIGHT_TRANSPORT [simulated]: simulated = NCCL from learner to samplers with the simulated DELAY below; relay =
+#     through the store RELAY_URL (run_qwen3_1.7b_gepo_math_relay.sh sets it and explains RELAY_*)
 #   MAX_LAG [64]  LAG_STRATEGY [wait]  DELAY [lognormal]  DELAY_LOW [60]  DELAY_HIGH [1920]
 #   DELAY_CONFIDENCE [0.995]  HETERO_SEED [0]  SAMPLER_KL_COEF [0.005]
 #   PROMPTS_PER_STEP [32]  GROUP_SIZE [8]  MAX_PROMPT_LENGTH [768]  MAX_RESPONSE_LENGTH [2048]  LR [1e-6]
@@ -57,6 +59,7 @@ MEGATRON_PP="${MEGATRON_PP:-1}"
 VANILLA_MBRIDGE="${VANILLA_MBRIDGE:-True}"
 
 # ---- HeteroRL (paper: log-normal delay with [60 s, 1920 s] as its central 99.5% interval for 1.7B) ----
+WEIGHT_TRANSPORT="${WEIGHT_TRANSPORT:-simulated}"
 MAX_LAG="${MAX_LAG:-64}"
 LAG_STRATEGY="${LAG_STRATEGY:-wait}"
 DELAY="${DELAY:-lognormal}"
@@ -131,7 +134,6 @@ SAMPLERS=(
   actor_rollout_ref.rollout.nnodes="$SAMPLER_NODES"
   actor_rollout_ref.rollout.n_gpus_per_node="$SAMPLER_GPUS_PER_NODE"
   "${ROLLOUT[@]}"
-  actor_rollout_ref.rollout.checkpoint_engine.backend=nccl
   "${VALIDATION[@]}"
 )
 
@@ -149,6 +151,32 @@ ASYNC=(
 case "$DELAY" in
   lognormal | weibull)
     ASYNC+=(hetero.delay.low="$DELAY_LOW" hetero.delay.high="$DELAY_HIGH" hetero.delay.confidence="$DELAY_CONFIDENCE")
+    ;;
+esac
+case "$WEIGHT_TRANSPORT" in
+  # weights by NCCL inside the cluster (learner and samplers share a network)
+  simulated) SAMPLERS+=(actor_rollout_ref.rollout.checkpoint_engine.backend=nccl) ;;
+  # weights through the store: the plugin sets verl's checkpoint engine to its relay
+  relay)
+    if [[ -z "${RELAY_URL:-}" ]]; then
+      echo "WEIGHT_TRANSPORT=relay needs RELAY_URL (e.g. s3://my-bucket/gepo-runs)" >&2
+      exit 2
+    fi
+    ASYNC+=(hetero.transport=relay hetero.relay.url="$RELAY_URL")
+    if [[ -n "${RELAY_ENDPOINT:-}" ]]; then
+      ASYNC+=(+hetero.relay.storage_options.client_kwargs.endpoint_url="$RELAY_ENDPOINT")
+    fi
+    if [[ -n "${RELAY_SECRET_ENV:-}" ]]; then
+      ASYNC+=(hetero.relay.secret_env="$RELAY_SECRET_ENV")
+    fi
+    ASYNC+=(hetero.relay.keyframe_every="${RELAY_KEYFRAME_EVERY:-10}")
+    if [[ -n "${TQ_STORAGE_RESOURCE:-}" ]]; then
+      ASYNC+=(+transfer_queue.backend.SimpleStorage.required_node_resource="$TQ_STORAGE_RESOURCE")
+    fi
+    ;;
+  *)
+    echo "WEIGHT_TRANSPORT=$WEIGHT_TRANSPORT: use simulated or relay" >&2
+    exit 2
     ;;
 esac
 

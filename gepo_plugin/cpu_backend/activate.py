@@ -94,6 +94,15 @@ def select_cpu_platform() -> None:
     set_platform(PlatformCPU())
 
 
+def _checkpoint_engine(config: DictConfig, separate: bool) -> str:
+    """The CPU mailbox for separate samplers, unless the weights go through HeteroRL's relay (it needs no NCCL)."""
+    from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE
+
+    if OmegaConf.select(config, keys.CHECKPOINT_ENGINE_BACKEND) == RELAY_CHECKPOINT_ENGINE:
+        return RELAY_CHECKPOINT_ENGINE
+    return SEPARATE_CHECKPOINT_ENGINE if separate else "naive"
+
+
 def cpu_run_settings(config: DictConfig) -> dict[str, object]:
     """The verl settings a CPU run needs, derived from the config (the launcher applies them where the user is
     silent)."""
@@ -117,7 +126,7 @@ def cpu_run_settings(config: DictConfig) -> dict[str, object]:
         keys.ROLLOUT_NAME: ROLLOUT_NAME,
         # the transformers rollout serves a replica from one process
         keys.ROLLOUT_TENSOR_PARALLEL: 1,
-        keys.CHECKPOINT_ENGINE_BACKEND: SEPARATE_CHECKPOINT_ENGINE if separate else "naive",
+        keys.CHECKPOINT_ENGINE_BACKEND: _checkpoint_engine(config, separate),
         keys.TRANSFER_QUEUE_STORAGE_UNITS: 1,
         # Pool bundles, workers and TransferQueue actors each reserve logical CPUs; with only as many
         # as cores, Ray waits forever without an error. Logical CPUs are only bookkeeping.

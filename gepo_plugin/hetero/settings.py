@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt, model_validator
 from gepo_plugin import config_keys
 from gepo_plugin.hetero.delays import DelayConfig, DelayModel
 from gepo_plugin.hetero.guard import GuardConfig, check_guard
+from gepo_plugin.hetero.relay.settings import RelayConfig
 from gepo_plugin.hetero.staleness import (
     DEFAULT_ADMISSION_MARGIN,
     DEFAULT_MAX_LAG,
@@ -119,6 +120,15 @@ class HeteroConfig(BaseModel):
         description="true: a retired sampler replica is replaced by a new one, which installs the learner's current "
         "weights before it takes requests; false: training goes on with the samplers left",
     )
+    transport: Literal["simulated", "relay"] = Field(
+        "simulated",
+        description="how weights reach the samplers: simulated = verl's in-cluster engine, with the delays above "
+        "simulated on the learner; relay = the learner publishes each version once to hetero.relay.url and every "
+        "sampler replica pulls exact deltas over its own link (real arrivals drive the bound)",
+    )
+    relay: RelayConfig = Field(
+        default_factory=RelayConfig, description="the weight relay (hetero.relay.*), used with hetero.transport=relay"
+    )
 
     @model_validator(mode="after")
     def _coherent(self) -> HeteroConfig:
@@ -135,7 +145,29 @@ class HeteroConfig(BaseModel):
         except StalenessConfigError as error:
             raise ValueError(str(error)) from None
         check_guard(self.guard, self.policy())
+        if self.transport == "relay":
+            self._check_relay()
         return self
+
+    def _check_relay(self) -> None:
+        if not self.relay.url:
+            raise ValueError("hetero.transport=relay needs hetero.relay.url (a shared directory or an fsspec URL)")
+        if self.delay.distribution != "none" or self.group_delays is not None:
+            raise ValueError(
+                "hetero.transport=relay moves real weights, so their delay is real: remove hetero.delay and "
+                "hetero.group_delays (rehearse a slow link with hetero.relay.links instead)"
+            )
+        if self.replace_failed:
+            raise ValueError(
+                "hetero.replace_failed=true is not supported with hetero.transport=relay yet: set it to false (a lost "
+                "sampler is still retired and training goes on with the others)"
+            )
+        groups = self.sampler_groups
+        if self.relay.links and groups is not None and len(self.relay.links) != len(groups):
+            raise ValueError(
+                f"hetero.relay.links has {len(self.relay.links)} entries but sampler_groups has {len(groups)} groups; "
+                "give one link per group"
+            )
 
     def policy(self) -> StalenessPolicy:
         return StalenessPolicy(
@@ -177,6 +209,11 @@ class HeteroSettings:
         return self.config.guard
 
     @property
+    def relay(self) -> RelayConfig | None:
+        """The relay's options when weights travel through it (``hetero.transport=relay``), else None."""
+        return self.config.relay if self.config.transport == "relay" else None
+
+    @property
     def simulates_delay(self) -> bool:
         return self.default_delay is not None or any(d is not None for d in self.delays or ())
 
@@ -199,6 +236,11 @@ class HeteroSettings:
         if self.delays is not None and len(self.delays) != len(sizes):
             raise HeteroConfigError(
                 f"hetero.group_delays has {len(self.delays)} entries for {len(sizes)} sampler groups; one per group"
+            )
+        links = self.relay.links if self.relay is not None else []
+        if links and len(links) != len(sizes):
+            raise HeteroConfigError(
+                f"hetero.relay.links has {len(links)} entries for {len(sizes)} sampler groups{how}; one per group"
             )
         return sizes
 

@@ -51,6 +51,7 @@ FEATURES: dict[str, str] = {
     "hetero": "HeteroRL (hetero.enable=true): exact staleness replay buffer, delayed weight sync, checkpointed books",
     "elastic_samplers": "HeteroRL survives a sampler that dies or hangs (hetero.health.*, hetero.replace_failed)",
     "server_identity": "HeteroRL per-sampler-group throughput (hetero/sampler_group_<i>/trained_*)",
+    "weight_relay": "HeteroRL's weight relay (hetero.transport=relay): weights through a store, real arrivals",
     "hybrid_engine_off": "separate_async with actor_rollout_ref.hybrid_engine=False (fix of a verl 0.9.1 crash)",
     "cpu_backend": "trainer.device=cpu (verl's trainer on a CPU: transformers rollout, gloo, CPU engines)",
     "megatron_cpu": "trainer.device=cpu model_engine=megatron (verl's Megatron engine on a CPU; extra [megatron-cpu])",
@@ -260,8 +261,8 @@ CONTACTS: tuple[Contact, ...] = (
     Contact(
         "verl.checkpoint_engine.base",
         "CheckpointEngineRegistry._registry",
-        ("cpu_backend",),
-        "read: ray_mailbox registered?",
+        ("cpu_backend", "weight_relay"),
+        "read: ray_mailbox / relay registered?",
     ),
     Contact(
         "verl.workers.rollout.replica",

@@ -4,8 +4,10 @@
 
 1. replaces the standalone (sampler) ``CheckpointEngineManager`` with
    :class:`~gepo_plugin.verl_glue.hetero.weight_sync.DelayedWeightSync` (simulated delay, if configured, and
-   elastic samplers: lost replicas are retired, optionally replaced) and connects it to the plugin's replay
-   buffer (version floors for in-flight groups, installs and retirements while the learner waits);
+   elastic samplers: lost replicas are retired, optionally replaced), or with ``hetero.transport=relay`` with
+   :class:`~gepo_plugin.verl_glue.hetero.relay_sync.RelayWeightSync` (real weights over the relay, real arrivals),
+   and connects it to the plugin's replay buffer (version floors for in-flight groups, installs and retirements
+   while the learner waits);
 2. saves the replay buffer's books (:class:`~gepo_plugin.hetero.core.StalenessCore`) as ``hetero.json`` next to
    verl's checkpoint (verl's TransferQueue checkpoint holds the groups themselves) and restores them on
    resume, so counters continue and nothing is counted twice or lost;
@@ -85,11 +87,12 @@ class HeteroMixin(AdvantageFieldsMixin):
                 "trainer.v1.sampler.custom_sampler.path=pkg://gepo_plugin.verl_glue.hetero.replay_buffer "
                 "trainer.v1.sampler.custom_sampler.name=HeteroReplayBuffer"
             )
-        from gepo_plugin.verl_glue.hetero.weight_sync import DelayedWeightSync
+        if settings.relay is not None:
+            from gepo_plugin.verl_glue.hetero.relay_sync import RelayWeightSync as Sync
+        else:
+            from gepo_plugin.verl_glue.hetero.weight_sync import DelayedWeightSync as Sync
 
-        sync = DelayedWeightSync(
-            self.standalone_checkpoint_manager, settings, server_manager=self.standalone_server_manager
-        )
+        sync = Sync(self.standalone_checkpoint_manager, settings, server_manager=self.standalone_server_manager)
         self.standalone_checkpoint_manager = sync
         sync.version_floors = buffer.core.version_floors  # the sync records, the core decides
         sync.roster.load_state_dict(self.hetero.resumed_sampler_books)

@@ -1,0 +1,186 @@
+"""Weights as bit patterns: full keyframes and exact sparse deltas, so a sampler's copy is bit-identical.
+
+A version is held as :class:`WeightBits`: every tensor as a flat array of unsigned integers of its element's width
+(bf16 as ``uint16``, fp32 as ``uint32``), which makes "changed" and "apply" exact for every value, NaN and -0.0
+included. A delta stores, per tensor that changed, the gaps between changed 64-bit words (``uint32``) and the XOR of
+old and new bits there; a small optimizer step flips only low mantissa bits of a few elements, so most bytes of
+the XORs are zero and zstd shrinks them well. Shards are safetensors files (numpy arrays); the tensors' dtypes and
+shapes travel in the manifest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zstandard
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+_UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_TORCH_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_IDX, _XOR, _TAIL = "|gaps", "|xor", "|tail"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's dtype (torch's name, e.g. ``bfloat16``) and shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def width(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.width
+
+
+@dataclass
+class WeightBits:
+    """One weight version on the host: each tensor's bits as a flat unsigned array, and its spec."""
+
+    bits: dict[str, np.ndarray]
+    specs: dict[str, TensorSpec]
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> WeightBits:
+        """A host copy (the learner's weights may change under it while it is encoded)."""
+        bits, specs = {}, {}
+        for name, tensor in tensors.items():
+            host = tensor.detach().to("cpu", copy=True).contiguous()
+            specs[name] = TensorSpec(str(host.dtype).removeprefix("torch."), tuple(host.shape))
+            width = host.element_size()
+            bits[name] = host.view(_TORCH_INT_OF_WIDTH[width]).reshape(-1).numpy().view(_UINT_OF_WIDTH[width])
+        return cls(bits, specs)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Torch tensors sharing this object's memory (no copy)."""
+        out = {}
+        for name, spec in self.specs.items():
+            ints = torch.from_numpy(self.bits[name].view(_UINT_OF_WIDTH[spec.width]))
+            out[name] = ints.view(spec.torch_dtype).reshape(spec.shape)
+        return out
+
+    def copy(self) -> WeightBits:
+        return WeightBits({name: array.copy() for name, array in self.bits.items()}, dict(self.specs))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.bits.values())
+
+    @property
+    def elements(self) -> int:
+        return sum(array.size for array in self.bits.values())
+
+    def equal(self, other: WeightBits) -> bool:
+        """Bit-identical, with the same names, dtypes and shapes."""
+        return self.specs == other.specs and all(np.array_equal(self.bits[n], other.bits[n]) for n in self.specs)
+
+
+def shard_names(specs: Mapping[str, TensorSpec], max_bytes: int) -> list[list[str]]:
+    """Tensor names split into consecutive shards of at most ``max_bytes`` (a larger tensor gets its own)."""
+    shards: list[list[str]] = []
+    size = 0
+    for name, spec in specs.items():
+        if not shards or (size + spec.nbytes > max_bytes and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += spec.nbytes
+    return shards
+
+
+def encode_full(weights: WeightBits, names: Iterable[str]) -> bytes:
+    """A keyframe shard: the named tensors' bits."""
+    return st_save({name: weights.bits[name] for name in names})
+
+
+def decode_full(data: bytes, specs: Mapping[str, TensorSpec]) -> dict[str, np.ndarray]:
+    """A keyframe shard's tensors, checked against the manifest's specs."""
+    arrays = st_load(data)
+    for name, array in arrays.items():
+        spec = specs[name]
+        if array.dtype != _UINT_OF_WIDTH[spec.width] or array.size != int(np.prod(spec.shape, dtype=np.int64)):
+            raise ValueError(f"keyframe tensor {name!r} does not match its manifest spec {spec}")
+    return arrays
+
+
+class DeltaEncoder:
+    """Encodes exact deltas 64 bits at a time, reusing one scratch buffer (a fresh one per tensor costs page faults).
+
+    Each tensor's bytes are compared as ``uint64`` words (a tail of fewer than 8 bytes as bytes): the delta keeps
+    the gaps between changed words and their XOR. On a CPU this finds the changes at several GB/s where an
+    element-wise scan manages a fraction of it; the zero lanes of a changed word cost almost nothing after zstd.
+    """
+
+    def __init__(self) -> None:
+        self._scratch = np.empty(0, np.uint64)
+
+    def encode(self, old: WeightBits, new: WeightBits, names: Iterable[str]) -> tuple[bytes, int]:
+        """A delta shard from ``old`` to ``new`` for the named tensors, and how many elements changed."""
+        payload: dict[str, np.ndarray] = {}
+        changed = 0
+        for name in names:
+            before, after = _bytes(old.bits[name]), _bytes(new.bits[name])
+            body = before.size - before.size % 8
+            words = body // 8
+            if self._scratch.size < words:
+                self._scratch = np.empty(words, np.uint64)
+            xor = np.bitwise_xor(before[:body].view(np.uint64), after[:body].view(np.uint64), out=self._scratch[:words])
+            positions = np.flatnonzero(xor)
+            tail = np.bitwise_xor(before[body:], after[body:])
+            if positions.size == 0 and not tail.any():
+                continue
+            values = xor[positions]
+            width = new.specs[name].width
+            changed += int(np.count_nonzero(values.view(_UINT_OF_WIDTH[width]))) if width < 8 else positions.size
+            changed += int(np.count_nonzero(tail.view(_UINT_OF_WIDTH[width]))) if tail.size else 0
+            payload[name + _IDX] = np.diff(positions, prepend=-1).astype(np.uint32)
+            payload[name + _XOR] = values
+            if tail.any():
+                payload[name + _TAIL] = tail
+        return st_save(payload), changed
+
+
+def encode_delta(old: WeightBits, new: WeightBits, names: Iterable[str]) -> tuple[bytes, int]:
+    """A delta shard from ``old`` to ``new`` for the named tensors, and how many elements changed."""
+    return DeltaEncoder().encode(old, new, names)
+
+
+def apply_delta(weights: WeightBits, data: bytes) -> None:
+    """Apply a delta shard to ``weights`` in place (the caller applies a version only once it is verified)."""
+    arrays = st_load(data)
+    for key, gaps in arrays.items():
+        if not key.endswith(_IDX):
+            continue
+        name = key[: -len(_IDX)]
+        target = _bytes(weights.bits[name])
+        body = target.size - target.size % 8
+        words = target[:body].view(np.uint64)
+        words[np.cumsum(gaps, dtype=np.int64) - 1] ^= arrays[name + _XOR]
+        tail = arrays.get(name + _TAIL)
+        if tail is not None:
+            target[body:] ^= tail
+
+
+def _bytes(array: np.ndarray) -> np.ndarray:
+    """The array's memory as bytes (a view)."""
+    return array.view(np.uint8)
+
+
+def compress(data: bytes, level: int) -> bytes:
+    """zstd at ``level`` (0 = stored as is)."""
+    return zstandard.ZstdCompressor(level=level, threads=-1).compress(data) if level > 0 else data
+
+
+def decompress(data: bytes, compressed: bool) -> bytes:
+    return zstandard.ZstdDecompressor().decompress(data) if compressed else data

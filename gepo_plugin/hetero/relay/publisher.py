@@ -1,0 +1,242 @@
+"""The learner's side of the relay: each weight version published once, in the background, with bounded memory.
+
+:meth:`RelayPublisher.publish` costs the learner one host copy of its weights; a background thread encodes and
+uploads it. At most three host copies exist (the version published last, the one uploading, one waiting): when the
+learner publishes faster than the store takes it, a waiting version is replaced by the newer one (counted as
+``versions_coalesced``; samplers then skip it, and the next delta is against the version actually published).
+Shards are content-addressed (``shards/<sha256>``), the manifest goes last, so a version a sampler can see is
+complete. A publisher that starts on a store holding an earlier run's versions (a resume) discards any version
+newer than the one it resumes from and begins a new lineage with a keyframe.
+
+Retention: :meth:`RelayPublisher.hold` tells it the oldest version a live sampler group holds; versions no sampler
+can still need (older than that and than the newest keyframe) and the shards only they use are deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+
+import torch
+
+from gepo_plugin.hetero.relay import codec
+from gepo_plugin.hetero.relay.manifest import Manifest, Shard
+from gepo_plugin.hetero.relay.settings import RelayConfig
+from gepo_plugin.hetero.relay.store import RelayStore
+
+logger = logging.getLogger(__name__)
+MANIFESTS, SHARDS = "manifests", "shards"
+
+
+def manifest_key(version: int, lineage: str) -> str:
+    """A version's manifest; the lineage in the name makes a resumed run's version a new object."""
+    return f"{MANIFESTS}/{version:010d}-{lineage}.json"
+
+
+def shard_key(sha256: str) -> str:
+    return f"{SHARDS}/{sha256}"
+
+
+def parse_manifest_name(name: str) -> tuple[int, str] | None:
+    """(version, lineage) of a manifest's file name, None for anything else."""
+    version, _, lineage = name.removesuffix(".json").partition("-")
+    return (int(version), lineage) if name.endswith(".json") and version.isdigit() and lineage else None
+
+
+class RelayPublisher:
+    """Publishes a learner's weight versions to one run's store."""
+
+    def __init__(
+        self,
+        store: RelayStore,
+        run_id: str,
+        settings: RelayConfig,
+        secret: bytes | None = None,
+        resume_from: int | None = None,
+    ) -> None:
+        self.store, self.run_id, self.settings, self.secret = store, run_id, settings, secret
+        self.counters = store.counters
+        self.lineage = uuid.uuid4().hex
+        self.published: dict[int, Manifest] = {}
+        self._load_existing(resume_from)
+        self._encoder = codec.DeltaEncoder()
+        self._previous: codec.WeightBits | None = None
+        self._previous_version: int | None = None
+        self._last_keyframe: int | None = None
+        self._keyframe_requested = False
+        self._oldest_held: int | None = None
+        self._pending: tuple[int, codec.WeightBits] | None = None
+        self._busy = False
+        self._error: BaseException | None = None
+        self._closed = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="relay-publisher", daemon=True)
+        self._thread.start()
+
+    def _load_existing(self, resume_from: int | None) -> None:
+        for name in self.store.list(MANIFESTS):
+            parsed = parse_manifest_name(name)
+            if parsed is None:
+                continue
+            version, lineage = parsed
+            if resume_from is not None and version > resume_from:
+                self.store.delete(manifest_key(version, lineage))  # a future the resumed run discards
+                self.counters.add("versions_discarded")
+                continue
+            manifest = Manifest.from_json(self.store.get(manifest_key(version, lineage)).decode())
+            if manifest.run_id == self.run_id:
+                self.published[version] = manifest
+
+    @property
+    def latest(self) -> int | None:
+        return max(self.published, default=None)
+
+    def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> float:
+        """Queue ``version`` for publishing; returns the seconds the learner spent (the host copy)."""
+        started = time.perf_counter()
+        self._raise_background_error()
+        with self._cv:
+            newest = max([v for v in (self.latest, self._previous_version) if v is not None], default=None)
+            if self._pending is not None:
+                newest = max(newest if newest is not None else -1, self._pending[0])
+            if newest is not None and version <= newest:
+                raise ValueError(f"weight version {version} was published already (newest: {newest})")
+        bits = codec.WeightBits.from_tensors(tensors)
+        with self._cv:
+            if self._pending is not None:
+                self.counters.add("versions_coalesced")
+            self._pending = (version, bits)
+            self._cv.notify_all()
+        seconds = time.perf_counter() - started
+        self.counters.add("publish_host_copy_s", seconds)
+        return seconds
+
+    def request_keyframe(self) -> None:
+        """The next version is published with a full keyframe (a sampler found a stored shard corrupt)."""
+        with self._cv:
+            self._keyframe_requested = True
+
+    def hold(self, oldest_held: int | None) -> None:
+        """The oldest version any live sampler group holds (None: none holds any): older ones may be deleted."""
+        with self._cv:
+            self._oldest_held = oldest_held
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every queued version is published; re-raise a background failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while (self._pending is not None or self._busy) and self._error is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError("the relay publisher did not finish in time")
+                self._cv.wait(remaining)
+        self._raise_background_error()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"publishing weights to {self.store.url} failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._pending is None and not self._closed:
+                    self._cv.wait()
+                if self._pending is None:
+                    return
+                version, bits = self._pending
+                self._pending = None
+                self._busy = True
+            try:
+                self._publish_now(version, bits)
+                self._prune()
+            except BaseException as error:  # surfaced to the learner at its next publish or wait
+                logger.error("relay: publishing weight version %d failed: %s", version, error)
+                self._error = error
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+            if self._error is not None:
+                return
+
+    def _publish_now(self, version: int, bits: codec.WeightBits) -> None:
+        started = time.perf_counter()
+        previous = self._previous
+        with self._cv:
+            forced, self._keyframe_requested = self._keyframe_requested, False
+        has_delta = previous is not None and previous.specs == bits.specs
+        full = (
+            not has_delta
+            or forced
+            or self._last_keyframe is None
+            or version - self._last_keyframe >= self.settings.keyframe_every
+        )
+        groups = codec.shard_names(bits.specs, self.settings.shard_bytes)
+        delta_shards, changed = None, None
+        if has_delta:
+            delta_shards, changed = [], 0
+            for names in groups:
+                raw, count = self._encoder.encode(previous, bits, names)
+                changed += count
+                delta_shards.append(self._put_shard(raw, names, self.settings.delta_zstd_level))
+        full_shards = None
+        if full:
+            full_shards = [
+                self._put_shard(codec.encode_full(bits, names), names, self.settings.keyframe_zstd_level)
+                for names in groups
+            ]
+        manifest = Manifest(
+            run_id=self.run_id,
+            version=version,
+            lineage=self.lineage,
+            specs=dict(bits.specs),
+            full=tuple(full_shards) if full_shards is not None else None,
+            delta=tuple(delta_shards) if delta_shards is not None else None,
+            base=self._previous_version if has_delta else None,
+            changed=changed,
+            published_at=time.time(),
+        ).signed(self.secret)
+        self.store.put(manifest_key(version, self.lineage), manifest.to_json().encode())
+        self.published[version] = manifest
+        self._previous, self._previous_version = bits, version
+        if full:
+            self._last_keyframe = version
+            self.counters.add("keyframes")
+        self.counters.add("versions_published")
+        self.counters.add("publish_s", time.perf_counter() - started)
+        self.counters.add("published_bytes", manifest.nbytes("full") + manifest.nbytes("delta"))
+
+    def _put_shard(self, raw: bytes, names: list[str], level: int) -> Shard:
+        stored = codec.compress(raw, level)
+        sha = hashlib.sha256(stored).hexdigest()
+        if not self.store.exists(shard_key(sha)):
+            self.store.put(shard_key(sha), stored)
+        return Shard(sha256=sha, nbytes=len(stored), compressed=level > 0, tensors=tuple(names))
+
+    def _prune(self) -> None:
+        with self._cv:
+            oldest_held = self._oldest_held
+        keyframes = [v for v, m in self.published.items() if m.full is not None]
+        if not keyframes:
+            return
+        keep_from = max(keyframes) if oldest_held is None else min(oldest_held, max(keyframes))
+        doomed = [v for v in self.published if v < keep_from]
+        if not doomed:
+            return
+        for version in doomed:  # manifests first: no reader can see a version whose shards are going
+            self.store.delete(manifest_key(version, self.published.pop(version).lineage))
+            self.counters.add("versions_deleted")
+        live = {s.sha256 for m in self.published.values() for part in (m.full, m.delta) for s in part or ()}
+        for name in self.store.list(SHARDS):
+            if name not in live and len(name) == 64:
+                self.store.delete(shard_key(name))

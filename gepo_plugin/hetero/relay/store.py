@@ -1,0 +1,201 @@
+"""The relay's store behind a URL (a directory, ``s3://``, ``gs://``, any fsspec protocol), retried and counted.
+
+Credentials come only from fsspec's and the cloud SDKs' own configuration (environment, config files, instance
+roles) or the ``storage_options`` handed in; nothing here logs them. Every operation is retried with exponential
+back-off and counted; one that keeps failing raises :class:`RelayStoreError` naming the URL, the operation and the
+object. Writes are atomic where the protocol is not (a local or shared directory: write, then rename), so a reader
+never sees half an object. Reads go through a :class:`~gepo_plugin.hetero.relay.link.Link` in chunks and resume
+from the last chunk received after an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import fsspec
+
+from gepo_plugin.hetero.relay.link import Link, LinkConfig
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+_CHUNK = 4 << 20
+
+
+class RelayStoreError(RuntimeError):
+    """The store failed an operation after every retry (or cannot be used at all); says which and how to fix it."""
+
+
+@dataclass
+class RelayCounters:
+    """What the relay did and what went wrong, for ``hetero/relay/*`` metrics. Thread-safe increments."""
+
+    counts: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, name: str, amount: float = 1) -> None:
+        with self._lock:
+            self.counts[name] = self.counts.get(name, 0) + amount
+
+    def get(self, name: str) -> float:
+        with self._lock:
+            return self.counts.get(name, 0)
+
+    def metrics(self, prefix: str = "hetero/relay/") -> dict[str, float]:
+        with self._lock:
+            return {prefix + name: float(value) for name, value in sorted(self.counts.items())}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Attempts and exponential back-off of one store operation."""
+
+    attempts: int = 5
+    first_delay_s: float = 0.2
+    max_delay_s: float = 10.0
+
+
+class RelayStore:
+    """One run's objects under ``url``; thread-safe (fsspec filesystems are)."""
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy = RetryPolicy(),
+        counters: RelayCounters | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        except (ImportError, ValueError) as error:
+            raise RelayStoreError(
+                f"hetero.relay.url={url!r} cannot be opened: {error}. Fix: install the fsspec driver of its protocol "
+                "(s3fs for s3://, gcsfs for gs://, adlfs for az://) or correct the URL"
+            ) from error
+        self.root = self.root.rstrip("/")
+        self.retry = retry
+        self.counters = counters if counters is not None else RelayCounters()
+        self._local = "file" in _protocols(self.fs)
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def _retried(self, operation: str, key: str, call: Callable[[], T]) -> T:
+        delay = self.retry.first_delay_s
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                return call()
+            except FileNotFoundError:
+                raise
+            except Exception as error:  # every store error is retried, then reported with the URL
+                self.counters.add("store_errors")
+                if attempt == self.retry.attempts:
+                    raise RelayStoreError(
+                        f"relay store {self.url}: {operation} {key!r} failed {attempt} times, last: "
+                        f"{type(error).__name__}: {error}"
+                    ) from error
+                self.counters.add("retries")
+                logger.warning(
+                    "relay store %s: %s %s failed (%s), retrying in %.1f s", self.url, operation, key, error, delay
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, self.retry.max_delay_s)
+        raise AssertionError("unreachable")
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``data`` at ``key`` so that no reader sees it half-written."""
+
+        def write() -> None:
+            target = self.path(key)
+            if self._local:
+                self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+                partial = f"{target}.partial-{uuid.uuid4().hex}"
+                self.fs.pipe_file(partial, data)
+                self.fs.mv(partial, target)
+            else:
+                self.fs.pipe_file(target, data)
+
+        self._retried("write", key, write)
+        self.counters.add("bytes_written", len(data))
+
+    def get(self, key: str, link: Link | None = None) -> bytes:
+        """Read ``key`` through ``link``, resuming after an error from the bytes already received."""
+        link = link if link is not None else Link(LinkConfig())
+        received = bytearray()
+
+        def read() -> bytes:
+            link.request()
+            with self.fs.open(self.path(key), "rb") as handle:
+                if received:
+                    handle.seek(len(received))
+                while chunk := handle.read(_CHUNK):
+                    link.transfer(len(chunk))
+                    received.extend(chunk)
+            return bytes(received)
+
+        data = self._retried("read", key, read)
+        self.counters.add("bytes_read", len(data))
+        return data
+
+    def exists(self, key: str) -> bool:
+        return self._retried("stat", key, lambda: self.fs.exists(self.path(key)))
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys directly under ``prefix`` (empty if there is none)."""
+
+        def listing() -> list[str]:
+            self.fs.invalidate_cache(self.path(prefix))
+            try:
+                names = self.fs.ls(self.path(prefix), detail=False)
+            except FileNotFoundError:
+                return []
+            return sorted(name.rstrip("/").rsplit("/", 1)[-1] for name in names)
+
+        return self._retried("list", prefix, listing)
+
+    def delete(self, key: str) -> None:
+        def remove() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.path(key))
+
+        self._retried("delete", key, remove)
+        self.counters.add("objects_deleted")
+
+    def probe(self, write: bool = True) -> None:
+        """Write, read back and delete one object (``write``), or list the store (a sampler, which only reads): a
+        store that cannot do it stops the run now, with the URL and the fix."""
+        key = f"_probe/{uuid.uuid4().hex}"
+        payload = b"gepo-plugin relay probe"
+        back = payload
+        try:
+            if write:
+                self.put(key, payload)
+                back = self.get(key)
+                self.delete(key)
+            else:
+                self._retried(
+                    "list", "", lambda: self.fs.ls(self.root, detail=False) if self.fs.exists(self.root) else []
+                )
+        except Exception as error:
+            raise RelayStoreError(
+                f"hetero.relay.url={self.url!r} is not usable{'' if write else ' from a sampler'}: {error}. Fix: check "
+                "the URL, that the bucket or directory exists and is "
+                f"{'writable' if write else 'readable'} from here, and the credentials of its protocol (for s3:// the "
+                "usual AWS environment or config files; an endpoint through hetero.relay.storage_options)"
+            ) from error
+        if back != payload:
+            raise RelayStoreError(f"hetero.relay.url={self.url!r} returned different bytes than were written to it")
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)

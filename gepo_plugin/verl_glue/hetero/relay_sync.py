@@ -1,0 +1,245 @@
+"""HeteroRL's weight sync over the relay: the learner publishes once, replicas pull, their real arrivals count.
+
+:class:`RelayWeightSync` takes the place of :class:`~gepo_plugin.verl_glue.hetero.weight_sync.DelayedWeightSync` when
+``hetero.transport=relay`` (it keeps its sampler groups, health monitor, retirement and admission control). At every
+step end the learner publishes the new version through the relay checkpoint engine (verl's
+``actor_wg.update_weights``, rank 0 uploads in the background) and keeps no per-group snapshot. Each replica's
+checkpoint-engine worker follows the store over its group's link; at safe points (the step end, and while the
+learner waits for data) the learner collects their receipts and installs each replica's newly arrived version
+through verl's rollout weight-update path, tagging its tokens with that version. Which version a group holds is then
+an :class:`~gepo_plugin.hetero.relay.arrivals.ArrivalBook` of real arrivals, and the staleness core's bound, waits
+and admission read it as they read the simulated schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+from verl.checkpoint_engine import CheckpointEngineManager
+from verl.checkpoint_engine.base import CheckpointEngineWorker
+from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+
+from gepo_plugin.hetero.relay.arrivals import ArrivalBook
+from gepo_plugin.hetero.relay.follower import FollowerStatus, Receipt
+from gepo_plugin.hetero.settings import HeteroSettings
+from gepo_plugin.verl_glue.hetero.health import probe
+from gepo_plugin.verl_glue.hetero.relay_engine import BACKEND
+from gepo_plugin.verl_glue.hetero.weight_sync import PREFIX, DelayedWeightSync
+
+logger = logging.getLogger(__name__)
+RELAY_PREFIX = "hetero/relay/"
+#: How long the first sync (start or resume) waits for every replica to pull the learner's version.
+FIRST_SYNC_TIMEOUT_S = 1800.0
+
+
+class RelayWeightSync(DelayedWeightSync):
+    """The relay transport for HeteroRL (see the module docstring)."""
+
+    def __init__(
+        self,
+        base: CheckpointEngineManager,
+        settings: HeteroSettings,
+        clock: Callable[[], float] = time.time,  # receipts carry the samplers' wall clock
+        server_manager: Any = None,
+    ) -> None:
+        super().__init__(base, settings, clock, server_manager)
+        self.worker_groups: dict[int, RayWorkerGroup] = {}
+        self.replica_managers: dict[int, CheckpointEngineManager] = {}
+        self.receipts: dict[int, dict[int, Receipt]] = {}
+        self.sampler_counters: dict[int, dict[str, float]] = {}
+        self.publish_metrics: dict[str, float] = {}
+        for replica, member in self.members.items():
+            self.worker_groups[replica] = RayWorkerGroup(
+                worker_handles=list(member.workers),
+                ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(CheckpointEngineWorker)),
+            )
+            self.replica_managers[replica] = CheckpointEngineManager(base.config, base.actor_wg, [member])
+        first = next(iter(self.worker_groups.values()))  # one sampler reads the store before anything else
+        ray.get(first.execute_checkpoint_engine(["probe"] * first.world_size))
+        follows = []
+        for replica, group in self._replica_groups().items():
+            workers = self.worker_groups[replica]
+            size = workers.world_size
+            follows.extend(workers.execute_checkpoint_engine(["follow"] * size, [group] * size, [replica] * size))
+        ray.get(follows)
+        logger.info("hetero: weights travel through the relay at %s", settings.relay.url)
+
+    def _replica_groups(self) -> dict[int, int]:
+        return {replica: self.roster.group_of[replica] for replica in self.members}
+
+    # --------------------------------------------------------------- verl's manager interface
+    def update_weights(self, global_steps: int | None = None) -> dict:
+        """Publish version ``global_steps``; install what has arrived (verl calls this at init and every step end)."""
+        version = int(global_steps or 0)
+        self.retire_lost()
+        self._publish(version)
+        now = self.clock()
+        if self.schedule is None or version <= self.schedule.latest:
+            self.schedule = ArrivalBook(self._replica_groups(), len(self.groups), start_version=version, start_time=now)
+            for group in range(self.schedule.num_groups):
+                if not self.roster.alive(group):
+                    self.schedule.retire(group)
+            self._first_sync(version)
+        else:
+            self.schedule.publish(version, now)
+            self._collect()
+        self._admit(version)
+        self.version_floors[version + 1] = self.schedule.oldest_held()
+        self._hold(self.schedule.oldest_held())
+        return self.metrics(version)
+
+    def poll(self) -> None:
+        """Install the versions that have arrived (called while the learner waits for data)."""
+        if self.schedule is None:
+            return
+        self.retire_lost()
+        if self._collect():
+            self._admit(self.schedule.latest)
+
+    def retire_lost(self) -> None:
+        super().retire_lost()
+        if self.schedule is not None:
+            for replica in [r for r in self.schedule.installed if r not in self.members]:
+                self.schedule.remove_replica(replica)
+                self.worker_groups.pop(replica, None)
+                self.replica_managers.pop(replica, None)
+
+    # --------------------------------------------------------------- the learner's side
+    def _publish(self, version: int) -> None:
+        results = ray.get(self.actor_wg.update_weights(global_steps=version, mode=BACKEND))
+        for result in results:
+            if isinstance(result, dict) and result:
+                self.publish_metrics = {RELAY_PREFIX + k.removeprefix(RELAY_PREFIX): v for k, v in result.items()}
+
+    def _hold(self, oldest: int) -> None:
+        size = self.actor_wg.world_size
+        ray.get(self.actor_wg.execute_checkpoint_engine(["hold"] * size, [oldest] * size))
+
+    def _request_keyframe(self) -> None:
+        size = self.actor_wg.world_size
+        ray.get(self.actor_wg.execute_checkpoint_engine(["request_keyframe"] * size))
+
+    # --------------------------------------------------------------- the samplers' side
+    def _statuses(self) -> dict[int, list[FollowerStatus]]:
+        """Each live replica's follower status; a replica whose worker cannot answer is checked like a failed
+        install (probed, and retired if its servers died or hung) and left out."""
+        refs = {
+            replica: workers.execute_checkpoint_engine(["status"] * workers.world_size)
+            for replica, workers in self.worker_groups.items()
+            if replica in self.members
+        }
+        out = {}
+        for replica, ref in refs.items():
+            try:
+                out[replica] = ray.get(ref, timeout=self.settings.health.timeout_s)
+            except (RayError, GetTimeoutError) as error:
+                self._check_replica(replica, error)
+        return out
+
+    def _check_replica(self, replica: int, error: Exception) -> None:
+        """A call to ``replica`` failed: retire it if its servers are lost, else re-raise (a real error)."""
+        if self.monitor is None:  # hetero.health.enable=false: a lost sampler stops the run
+            raise error
+        lost = probe({replica: self.members[replica].servers}, self.settings.health.timeout_s)
+        if not lost:
+            raise error
+        for lost_replica, kind in lost.items():
+            self.report_lost(lost_replica, kind, self.monitor.since_answer(lost_replica))
+
+    def _collect(self) -> list[int]:
+        """Install each replica's newly arrived version; returns the replicas that installed one."""
+        installed = []
+        keyframe = False
+        self.retire_lost()
+        for replica, statuses in self._statuses().items():
+            for status in statuses:
+                if status.error is not None:
+                    raise RuntimeError(
+                        f"relay: sampler replica {replica} cannot pull weights from {self.settings.relay.url}: "
+                        f"{status.error}"
+                    )
+                keyframe |= status.keyframe_needed is not None
+                for receipt in status.receipts:
+                    self.receipts.setdefault(replica, {})[receipt.version] = receipt
+            self.sampler_counters[replica] = _summed(status.counters for status in statuses)
+            staged = {status.staged for status in statuses}
+            if len(staged) != 1:
+                continue  # the replica's workers disagree for a moment: install when they agree
+            version = staged.pop()
+            if version is None or version <= self.schedule.installed.get(replica, version):
+                continue
+            if self._install_replica(replica, version):
+                installed.append(replica)
+        if keyframe:
+            self._request_keyframe()
+        return installed
+
+    def _install_replica(self, replica: int, version: int) -> bool:
+        """Install ``version`` on ``replica``; False if the replica was lost meanwhile (it is then retired)."""
+        group = self.roster.group_of[replica]
+        manager = self.replica_managers[replica]
+        workers = self.worker_groups[replica]
+        try:
+            manager.abort_replicas()
+            manager.release_kv_cache_replicas()
+            ray.get(workers.update_weights(global_steps=version))
+            manager.resume_kv_cache_replicas()
+        except RayError as error:
+            self._check_replica(replica, error)
+            return False
+        receipt = self.receipts.get(replica, {}).pop(version, None) or Receipt(
+            group, replica, version, self.clock(), 0, 0.0
+        )
+        self.schedule.install(receipt)
+        self.deliveries[group] += 1
+        if group in self.paused and self.settings.policy.may_start(self.schedule.latest, self.schedule.held[group]):
+            self.paused.discard(group)
+            self.groups[group].resume_generation_replicas()
+        elif group not in self.paused:
+            manager.resume_generation_replicas()
+        return True
+
+    def _first_sync(self, version: int) -> None:
+        """Every live replica installs ``version`` before anything is generated (start or resume)."""
+        deadline = time.monotonic() + FIRST_SYNC_TIMEOUT_S
+        waiting = set(self.members)
+        for replica in waiting:
+            self.schedule.installed[replica] = version - 1  # held nothing of this run yet
+        while waiting:
+            for replica in self._collect():
+                waiting.discard(replica)
+            waiting &= set(self.members)
+            if not waiting:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"relay: sampler replicas {sorted(waiting)} did not receive weight version {version} from "
+                    f"{self.settings.relay.url} within {FIRST_SYNC_TIMEOUT_S:.0f} s"
+                )
+            time.sleep(self.settings.relay.poll_s)
+        self.schedule.lags_s = [[] for _ in range(self.schedule.num_groups)]
+
+    def metrics(self, learner_version: int) -> dict[str, float]:
+        assert self.schedule is not None
+        out = self.schedule.metrics(learner_version, PREFIX)
+        for index in range(len(self.groups)):
+            out[f"{PREFIX}_{index}/paused"] = float(index in self.paused)
+            out[f"{PREFIX}_{index}/installs"] = float(self.deliveries[index])
+        out["hetero/oldest_sampler_version"] = float(self.schedule.oldest_held())
+        out.update(self.publish_metrics)
+        for name, value in _summed(self.sampler_counters.values()).items():
+            out[f"{RELAY_PREFIX}samplers/{name}"] = value
+        return out
+
+
+def _summed(counters) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for one in counters:
+        for name, value in one.items():
+            out[name] = out.get(name, 0.0) + float(value)
+    return out

@@ -1,0 +1,151 @@
+"""A sampler's background follower and the learner's book of real arrivals (framework-free, a directory store)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from relay_fixtures import FAST_RETRY, Learner
+
+from gepo_plugin.hetero.relay import codec
+from gepo_plugin.hetero.relay.arrivals import ArrivalBook
+from gepo_plugin.hetero.relay.follower import Receipt, RelayFollower
+from gepo_plugin.hetero.relay.link import Link, LinkConfig
+from gepo_plugin.hetero.relay.publisher import RelayPublisher, shard_key
+from gepo_plugin.hetero.relay.puller import RelayPuller
+from gepo_plugin.hetero.relay.settings import RelayConfig
+from gepo_plugin.hetero.relay.store import RelayStore
+
+
+def wait_for(condition, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def test_a_follower_stages_the_newest_version_and_reports_when_it_arrived(tmp_path: Path) -> None:
+    store = RelayStore(str(tmp_path), retry=FAST_RETRY)
+    learner = Learner(lr=1e-4)
+    publisher = RelayPublisher(store, "run", RelayConfig(keyframe_every=3))
+    publisher.hold(0)
+    follower = RelayFollower(RelayPuller(store, "run"), group=1, replica=4, poll_s=0.01)
+    follower.start()
+    truth = {}
+    for version in range(1, 6):
+        learner.step()
+        truth[version] = codec.WeightBits.from_tensors(learner.weights())
+        published_at = time.time()
+        publisher.publish(version, learner.weights())
+        status = wait_for(lambda v=version: (s := follower.status()).staged == v and s)
+        (receipt,) = [r for r in status.receipts if r.version == version]
+        assert (receipt.group, receipt.replica) == (1, 4)
+        assert receipt.arrival >= published_at and receipt.nbytes > 0
+        assert follower.take(version).equal(truth[version])  # the staged copy is exactly that version
+        with pytest.raises(LookupError):
+            follower.take(version)  # taken once
+    follower.stop()
+    publisher.close()
+
+
+def test_a_slow_link_makes_a_follower_arrive_later_by_its_bytes(tmp_path: Path) -> None:
+    store = RelayStore(str(tmp_path), retry=FAST_RETRY)
+    learner = Learner(width=256)
+    publisher = RelayPublisher(store, "run", RelayConfig())
+    learner.step()
+    publisher.publish(1, learner.weights())
+    publisher.wait()
+    size = publisher.published[1].nbytes("full")
+    fast = RelayFollower(RelayPuller(store, "run"), 0, 0, poll_s=0.01)
+    slow = RelayFollower(RelayPuller(store, "run", link=Link(LinkConfig(bandwidth_mbps=8.0))), 1, 1, poll_s=0.01)
+    started = time.time()
+    for follower in (fast, slow):
+        follower.start()
+    arrivals = {}
+    for name, follower in (("fast", fast), ("slow", slow)):
+        status = wait_for(lambda f=follower: (s := f.status()).receipts and s)
+        arrivals[name] = status.receipts[0].arrival - started
+        follower.stop()
+    expected = size * 8 / 8e6  # bytes / bandwidth
+    assert arrivals["slow"] >= 0.95 * expected
+    assert arrivals["slow"] - arrivals["fast"] >= 0.8 * expected
+    publisher.close()
+
+
+def test_a_follower_whose_chain_is_gone_asks_for_a_keyframe_then_recovers(tmp_path: Path) -> None:
+    store = RelayStore(str(tmp_path), retry=FAST_RETRY)
+    learner = Learner()
+    publisher = RelayPublisher(store, "run", RelayConfig(keyframe_every=100))
+    publisher.hold(1)
+    follower = RelayFollower(RelayPuller(store, "run"), 0, 0, poll_s=0.01)
+    learner.step()
+    publisher.publish(1, learner.weights())
+    publisher.wait()
+    follower.start()
+    wait_for(lambda: follower.status().staged == 1)
+    # stop the follower's progress while version 2's shards are removed, as a store losing objects would
+    follower.stop()
+    learner.step()
+    publisher.publish(2, learner.weights())
+    publisher.wait()
+    for shard in publisher.published[2].delta:
+        (tmp_path / shard_key(shard.sha256)).unlink()
+    resumed = RelayFollower(follower.puller, 0, 0, poll_s=0.01)
+    resumed._held = follower._held  # the same sampler process, holding version 1
+    resumed.start()
+    assert wait_for(lambda: resumed.status().keyframe_needed) == 2
+    publisher.request_keyframe()
+    learner.step()
+    publisher.publish(3, learner.weights())
+    status = wait_for(lambda: (s := resumed.status()).staged == 3 and s)
+    assert status.keyframe_needed is None
+    assert resumed.take(3).equal(codec.WeightBits.from_tensors(learner.weights()))
+    resumed.stop()
+    publisher.close()
+
+
+def test_the_book_holds_each_group_at_its_oldest_replica_and_measures_arrival_lags() -> None:
+    book = ArrivalBook({0: 0, 1: 0, 2: 1}, num_groups=2, start_version=0, start_time=100.0)
+    book.publish(1, now=110.0)
+    book.publish(2, now=120.0)
+    assert book.install(Receipt(0, 0, 2, arrival=125.0, nbytes=10, seconds=1.0)) is not None
+    assert book.held == [0, 0]  # replica 1 of group 0 still holds version 0
+    book.install(Receipt(0, 1, 1, arrival=112.0, nbytes=5, seconds=1.0))
+    book.install(Receipt(1, 2, 2, arrival=121.0, nbytes=7, seconds=1.0))
+    assert book.held == [1, 2] and book.oldest_held() == 1
+    assert book.install(Receipt(0, 1, 1, arrival=113.0, nbytes=5, seconds=1.0)) is None  # not newer
+    metrics = book.metrics(learner_version=2, prefix="g")
+    assert metrics["g_0/weight_age"] == 1 and metrics["g_0/relay_bytes"] == 15
+    assert metrics["g_0/arrival_lag_mean_s"] == pytest.approx((5.0 + 2.0) / 2)
+    assert metrics["g_1/arrival_lag_mean_s"] == pytest.approx(1.0)
+    book.remove_replica(1)
+    assert book.held == [2, 2]
+    book.retire(1)
+    assert book.oldest_held() == 2
+
+
+def test_a_store_that_keeps_failing_ends_in_a_clear_error_and_installs_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store = RelayStore(str(root), retry=FAST_RETRY)
+    learner = Learner()
+    publisher = RelayPublisher(store, "run", RelayConfig())
+    learner.step()
+    publisher.publish(1, learner.weights())
+    publisher.wait()
+    publisher.close()
+    follower = RelayFollower(RelayPuller(store, "run"), 0, 0, poll_s=0.01, max_consecutive_errors=3)
+    follower.start()
+    wait_for(lambda: follower.status().staged == 1)
+    follower.take(1)
+    moved = tmp_path / "gone"
+    root.rename(moved)
+    root.write_text("the store's directory was replaced by a file")  # every read now fails
+    status = wait_for(lambda: (s := follower.status()).error and s)
+    assert str(root) in status.error and "failed 3 times" in status.error
+    assert status.staged is None and status.counters["store_errors"] >= 3 * 3
+    assert status.counters["pull_failures"] == 3
+    follower.stop()
