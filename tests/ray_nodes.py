@@ -7,6 +7,7 @@ The run and the test's drivers join with :data:`chaos.CLUSTER_ENV` (the cluster'
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -29,11 +30,19 @@ class Node:
     name: str
     process: subprocess.Popen
     gpus: int
-    ip: str
+    node_id: str = ""  # Ray's id of the node, set once it joined
 
     def kill(self) -> None:
-        """The whole node at once (its raylet and every worker process it started), as a machine failing."""
-        os.killpg(self.process.pid, signal.SIGKILL)
+        """The whole node at once (its raylet and every process it started, wherever their process group), as a
+        machine failing."""
+        import psutil
+
+        root = psutil.Process(self.process.pid)
+        doomed = [root, *root.children(recursive=True)]
+        for process in doomed:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(doomed, timeout=30)
         self.process.wait(timeout=30)
 
 
@@ -58,7 +67,7 @@ def _start(script: str, env: dict[str, str], name: str, gpus: int, temp_dir: str
     for line in process.stdout:
         lines.append(line)
         if "Ray runtime started" in line:
-            return Node(name, process, gpus, env["NODE_IP"])
+            return Node(name, process, gpus)
     raise RuntimeError(f"{script} failed:\n" + "".join(lines))
 
 
@@ -93,6 +102,7 @@ class RayNodes:
             f'--resources={{"{LEARNER_RESOURCE}":1}}',
         }
         self.nodes["head"] = _start("start_head.sh", env, "head", gpus, self.temp_dir)
+        self.nodes["head"].node_id = _new_node_id(self.address, set())
 
     def add_worker(self, gpus: int, cpus: int) -> Node:
         index = len(self.nodes) - 1
@@ -105,8 +115,9 @@ class RayNodes:
             "RAY_HEAD_ADDRESS": self.address,
             "RAY_EXTRA_ARGS": _agent_ports(),
         }
+        known = {node.node_id for node in self.nodes.values()}
         self.nodes[name] = _start("start_worker.sh", env, name, gpus, self.temp_dir)
-        _wait_for_nodes(self.address, sum(node.process.poll() is None for node in self.nodes.values()))
+        self.nodes[name].node_id = _new_node_id(self.address, known)
         return self.nodes[name]
 
     def stop(self) -> None:
@@ -155,38 +166,41 @@ _ACTORS = """
 import json, sys, ray
 from ray._private import state
 ray.init(address=sys.argv[1], logging_level="ERROR")
-ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
 alive = [a for a in state.state.actor_table(None).values() if a["State"] == "ALIVE"]
-print(json.dumps([[a["ActorClassName"], ips.get(a["Address"]["NodeID"], "?")] for a in alive]))
+print(json.dumps([[a.get("Name") or a["ActorClassName"], a["Address"]["NodeID"]] for a in alive]))
+"""
+_NODES = """
+import json, sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR")
+print(json.dumps([n["NodeID"] for n in ray.nodes() if n["Alive"]]))
 """
 
 
-def actors_by_ip(address: str) -> dict[str, list[str]]:
-    """The class names of the live actors on each node, by node address (from Ray's GCS, in a driver process)."""
+def _driver(script: str, address: str) -> object:
     import json
 
-    done = subprocess.run(
-        [sys.executable, "-c", _ACTORS, address], capture_output=True, text=True, env={**os.environ, **CLUSTER_ENV}
-    )
+    env = {**os.environ, **CLUSTER_ENV}  # the cluster's token, set when it started
+    done = subprocess.run([sys.executable, "-c", script, address], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(done.stderr)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def actors_by_node(address: str) -> dict[str, list[str]]:
+    """The live actors on each node (their names, or class names), by Ray node id, from Ray's GCS actor table (read
+    without loading the actors' classes, so in a second or two)."""
     out: dict[str, list[str]] = {}
-    for name, ip in json.loads(done.stdout.strip().splitlines()[-1]):
-        out.setdefault(ip, []).append(name)
+    for name, node_id in _driver(_ACTORS, address):
+        out.setdefault(node_id, []).append(name)
     return out
 
 
-def _wait_for_nodes(address: str, count: int, timeout_s: float = 60) -> None:
-    script = (
-        "import sys, ray; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-        "print(sum(n['Alive'] for n in ray.nodes()))"
-    )
+def _new_node_id(address: str, known: set[str], timeout_s: float = 60) -> str:
+    """The id of the one alive node not in ``known`` (waits for it to register)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        done = subprocess.run(
-            [sys.executable, "-c", script, address], capture_output=True, text=True, env={**os.environ, **CLUSTER_ENV}
-        )
-        if done.returncode == 0 and done.stdout.strip().splitlines()[-1] == str(count):
-            return
+        new = set(_driver(_NODES, address)) - known
+        if len(new) == 1:
+            return new.pop()
         time.sleep(1)
-    raise RuntimeError(f"the Ray cluster at {address} did not reach {count} nodes")
+    raise RuntimeError(f"no new node joined the Ray cluster at {address}")

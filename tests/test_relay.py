@@ -50,6 +50,10 @@ def test_delta_is_exact_for_every_bit_pattern_and_dtype() -> None:
     raw, changed = codec.encode_delta(a, b, list(a.specs))
     expected = sum(int((a.bits[n] != b.bits[n]).sum()) for n in a.specs)
     assert changed == expected > 0
+    from safetensors.numpy import load
+
+    kinds = {key.split("|")[1] for key in load(raw)}
+    assert {"bitmap", "gaps"} <= kinds  # dense changes (bf16, fp32) as a bitmap, sparse ones (int) as gaps
     applied = a.copy()
     codec.apply_delta(applied, codec.decompress(codec.compress(raw, 3), True))
     assert applied.equal(b)

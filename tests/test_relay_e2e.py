@@ -3,18 +3,21 @@
 The learner (head node, started with examples/ray/start_head.sh) publishes each version to moto's S3 server over
 HTTP; two sampler groups on two other Ray nodes (start_worker.sh) pull over their own links, one limited to 4 Mbit/s.
 While it trains, the test corrupts a stored shard (the samplers must detect it and get a keyframe) and kills a whole
-sampler node (its raylet and every process on it); the run finishes on the other sampler, then a resumed run
-continues from the store. Nothing in the run is mocked or hooked.
+sampler node (its raylet and every process on it); the run finishes on the other sampler and saves its books; a
+resumed run continues from the store and from those books, until every sampler node is lost and it stops with a clear
+error. Nothing in the run is mocked or hooked.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 
 import pytest
-from chaos import start_run, wait_for_step
-from ray_nodes import HEAD_IP, LEARNER_RESOURCE, SAMPLER_NODE_CPUS, actors_by_ip, ray_nodes
+from chaos import act, start_run, wait_for_step, wait_until
+from ray_nodes import HEAD_IP, LEARNER_RESOURCE, SAMPLER_NODE_CPUS, actors_by_node, ray_nodes
 from relay_fixtures import s3_server
 
 from gepo_plugin.hetero.relay.manifest import Manifest
@@ -22,12 +25,21 @@ from gepo_plugin.hetero.relay.publisher import MANIFESTS, parse_manifest_name, s
 from gepo_plugin.hetero.relay.store import RelayStore
 from gepo_plugin.tiny import cpu_run_overrides, read_metrics
 
-pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.ray,
+    # verl 0.9.1 places its TaskRunner, learner bundles and reward/agent-loop workers on any node (round-robin, PACK),
+    # so a placement with a node that only samples is not guaranteed; the run is retried, but the test is not yet
+    # stable enough for CI: run it with GEPO_RELAY_E2E=1 (README "Samplers in another cluster")
+    pytest.mark.skipif(os.environ.get("GEPO_RELAY_E2E") != "1", reason="set GEPO_RELAY_E2E=1 (three Ray nodes)"),
+]
 
 MAX_LAG, SLOW_MBPS, LATENCY_MS = 2, 4.0, 20.0
-#: what may run on a sampler node: the rollout server and its checkpoint-engine worker (and Ray's idle workers)
-SAMPLER_ACTORS = {"HFGenerationServer", "CheckpointEngineWorker"}
-STEPS, RESUMED_STEPS, SAVE_FREQ, KILL_AFTER, CORRUPT_VERSION = 8, 10, 4, 4, 3
+#: what a node may host to be lost without stopping the run: a sampler's server (``<rollout>_server_<rank>_0``) and
+#: its checkpoint-engine workers; not verl's TaskRunner, reward or agent-loop workers, nor a learner
+SAMPLER_ACTORS = ("CheckpointEngineWorker", "CheckpointEngineWorker_0:0")
+STEPS, SAVE_FREQ, KILL_AFTER, CORRUPT_VERSION = 12, 4, 4, 3  # a lost node is noticed within seconds: steps to spare
+RESUMED_CHECKPOINT = 16  # the resumed run's first checkpoint (save_freq 4)
 
 
 def relay_overrides(tiny, workdir, steps: int, address: str, url: str, endpoint: str) -> list[str]:
@@ -68,6 +80,11 @@ def corrupt_when_published(store: RelayStore, version: int, stop: threading.Even
         time.sleep(0.05)
 
 
+def _failures(count: int):
+    """A condition on the logged metrics: ``count`` sampler failures have been counted."""
+    return lambda logged: any(m.get("hetero/sampler_failures", 0) >= count for m in logged.values())
+
+
 def _check_every_step(metrics: dict[int, dict]) -> None:
     for step, m in sorted(metrics.items()):
         if "hetero/produced" in m:
@@ -76,24 +93,50 @@ def _check_every_step(metrics: dict[int, dict]) -> None:
             assert m["hetero/lag/max"] <= MAX_LAG, (step, m["hetero/lag/max"])
 
 
-def test_relay_over_s3_on_three_ray_nodes_survives_corruption_and_a_lost_node_then_resumes(tiny, tmp_path):
-    workdir = tmp_path / "run"
+def test_relay_over_s3_on_three_ray_nodes_survives_corruption_and_a_lost_node_resumes_then_loses_every_sampler(
+    tiny, tmp_path
+):
     with s3_server() as (bucket, options), ray_nodes(head_gpus=2, worker_gpus=[1, 1]) as cluster:
         address, nodes = cluster.address, cluster.nodes
         endpoint = options["client_kwargs"]["endpoint_url"]
         url = f"{bucket}/runs"
-        run_store = RelayStore(f"{url}/gepo_tiny/tiny_gepo_separate_async", options)
-        stop, corrupted = threading.Event(), []
-        watcher = threading.Thread(target=corrupt_when_published, args=(run_store, CORRUPT_VERSION, stop, corrupted))
-        watcher.start()
-        process, metrics_path, log = start_run(relay_overrides(tiny, workdir, STEPS, address, url, endpoint), workdir)
+        # Ray places verl's pools and its reward and agent-loop workers (round-robin over every node) as it likes:
+        # a run whose placement leaves no node with only a sampler on it is stopped and started again under
+        # another name (at most 3 times)
+        for attempt in range(3):
+            experiment = f"relay_e2e_{attempt}"
+            workdir = tmp_path / experiment  # its checkpoints, metrics and log
+            run_store = RelayStore(f"{url}/gepo_tiny/{experiment}", options)
+            stop, corrupted = threading.Event(), []
+            watcher = threading.Thread(
+                target=corrupt_when_published, args=(run_store, CORRUPT_VERSION, stop, corrupted)
+            )
+            watcher.start()
+            overrides = [
+                *relay_overrides(tiny, workdir, STEPS, address, url, endpoint),
+                f"trainer.experiment_name={experiment}",
+            ]
+            process, metrics_path, log = start_run(overrides, workdir)
+            wait_for_step(process, metrics_path, 1, timeout_s=600)
+            placed = actors_by_node(address)  # where Ray put what (placement does not change during the run)
+            victims = [
+                n
+                for n in nodes.values()
+                if n.name != "head"
+                and any("_server_" in name for name in placed.get(n.node_id, []))
+                and all(name.endswith(SAMPLER_ACTORS) or "_server_" in name for name in placed[n.node_id])
+            ]
+            if victims:
+                break
+            stop.set()
+            watcher.join()
+            process.kill()  # the driver: Ray ends the job's actors with it
+            process.wait()
+            time.sleep(10)
+        assert victims, placed
+        victim = victims[0]
         try:
             before_kill = wait_for_step(process, metrics_path, KILL_AFTER + 1, timeout_s=600)
-            placed = actors_by_ip(address)
-            # a node that only samples: a sampler's server there and nothing the run cannot lose
-            victims = [n for n in nodes.values() if n.name != "head" and set(placed.get(n.ip, [])) <= SAMPLER_ACTORS]
-            assert victims and any("HFGenerationServer" in placed.get(n.ip, []) for n in victims), placed
-            victim = next(n for n in victims if "HFGenerationServer" in placed.get(n.ip, []))
             victim.kill()  # a whole sampler node: its raylet and every process on it
             process.wait(timeout=600)
         finally:
@@ -108,39 +151,72 @@ def test_relay_over_s3_on_three_ray_nodes_survives_corruption_and_a_lost_node_th
         assert sorted(metrics) == list(range(1, STEPS + 1))
         _check_every_step(metrics)
 
-        # the slow group lags because its bytes are slow: its arrivals are later by about bytes / bandwidth
+        # the slow group lags because its bytes are slow: each of its pulls takes longer by about bytes / bandwidth,
+        # and it holds older versions than the fast group
         m = before_kill[KILL_AFTER]
         slow_bytes = m["hetero/sampler_group_0/relay_bytes"] / max(m["hetero/sampler_group_0/installs"], 1)
         link_s = slow_bytes * 8 / (SLOW_MBPS * 1e6)
-        lag_slow = m["hetero/sampler_group_0/arrival_lag_mean_s"]
-        lag_fast = m["hetero/sampler_group_1/arrival_lag_mean_s"]
-        assert lag_slow - lag_fast >= 0.7 * link_s, (lag_slow, lag_fast, link_s)
-        assert lag_fast < lag_slow
+        pull_slow, pull_fast = (m[f"hetero/sampler_group_{g}/pull_s_mean"] for g in (0, 1))
+        assert pull_slow - pull_fast >= 0.7 * link_s, (pull_slow, pull_fast, link_s)
+        early = [before_kill[step] for step in range(1, KILL_AFTER + 1)]
+        ages = [sum(x[f"hetero/sampler_group_{g}/weight_age"] for x in early) for g in (0, 1)]
+        assert ages[0] >= ages[1], ages
 
         # the corrupted shard was detected, fetched again, and a keyframe got the samplers past it
         final = metrics[STEPS]
         assert corrupted and final["hetero/relay/samplers/shards_corrupt"] >= 1
         assert final["hetero/relay/keyframes"] >= 2
-        # a step's metrics come before its own publish: at step 8, versions 0..7 were published, each once
+        # a step's metrics come before its own publish: at the last step, versions 0..STEPS-1 were published, once each
         assert final["hetero/relay/versions_published"] == STEPS
 
         # the lost node was retired through the elastic path and counted; the other sampler finished the run
         assert final["hetero/sampler_failures"] == 1 and final["hetero/sampler_replicas_alive"] == 1
         assert sum(final[f"hetero/sampler_group_{g}/alive"] for g in (0, 1)) == 1
 
+        # the failure and the books survive in hetero.json beside verl's checkpoint
+        state = json.loads((workdir / "checkpoints" / f"global_step_{STEPS}" / "hetero.json").read_text())
+        assert [f["kind"] for f in state["samplers"]["failures"]] == ["died"]
+        ledger = state["replay_buffer"]["ledger"]
+        assert ledger["trained"] == final["hetero/trained"]
+        assert sum(ledger["dropped"].values()) == final["hetero/dropped"]
+
         # resume on a fresh sampler node: the learner continues from the store (nothing discarded or re-published)
+        # and the books go on; then every sampler is lost, and the run stops with a clear error, soon
         cluster.add_worker(1, SAMPLER_NODE_CPUS)  # a new machine takes the lost one's place
         resumed_dir = tmp_path / "resumed"
         resumed_dir.mkdir()
-        overrides = relay_overrides(tiny, workdir, RESUMED_STEPS, address, url, endpoint)
+        overrides = [
+            *relay_overrides(tiny, workdir, 200, address, url, endpoint),
+            f"trainer.experiment_name={experiment}",
+        ]
         process, metrics_path, log = start_run(overrides, resumed_dir)
-        process.wait(timeout=900)
-        assert process.returncode == 0, log.read_text()[-5000:]
+        try:
+            wait_for_step(process, metrics_path, RESUMED_CHECKPOINT + 1, timeout_s=600)
+            # every sampler is lost (their servers killed, as in tests/test_hetero_elastic_e2e.py: a node would take
+            # verl's reward and agent-loop workers with it, which verl placed on the new node)
+            act(address, sampler=1, action="kill")
+            wait_until(process, metrics_path, _failures(2), "the second loss's retirement")
+            act(address, sampler=0, action="kill")
+            lost_all = time.monotonic()
+            process.wait(timeout=300)
+            stopped_after = time.monotonic() - lost_all
+        finally:
+            if process.poll() is None:
+                process.kill()
+        text = log.read_text()
+        assert process.returncode != 0 and "NoSamplerLeft" in text and "every sampler is lost" in text, text[-3000:]
+        assert stopped_after < 120, stopped_after
         resumed = read_metrics(metrics_path)
-        assert sorted(resumed) == [STEPS + 1, STEPS + 2], sorted(resumed)
+        steps = sorted(resumed)
+        assert steps[0] == STEPS + 1 and steps == list(range(STEPS + 1, steps[-1] + 1))
         _check_every_step(resumed)
-        last = resumed[RESUMED_STEPS]
-        # by step 10's metrics only version 9 was published: version 8 came from the store, not published again
-        assert last["hetero/relay/versions_published"] == RESUMED_STEPS - STEPS - 1
-        assert last.get("hetero/relay/versions_discarded", 0) == 0
-        assert min(last[f"hetero/sampler_group_{g}/weight_version"] for g in (0, 1)) >= STEPS
+        first, saved = resumed[STEPS + 1], resumed[RESUMED_CHECKPOINT]
+        assert first["hetero/sampler_failures"] == 1 and first["hetero/sampler_replicas_alive"] == 2  # both serve
+        assert first["hetero/trained"] >= final["hetero/trained"]
+        # by the second resumed step's metrics only one version was published: the checkpoint's came from the store
+        assert resumed[STEPS + 2]["hetero/relay/versions_published"] == 1
+        assert saved.get("hetero/relay/versions_discarded", 0) == 0
+        assert min(first[f"hetero/sampler_group_{g}/weight_version"] for g in (0, 1)) >= STEPS
+        state = json.loads((workdir / "checkpoints" / f"global_step_{RESUMED_CHECKPOINT}" / "hetero.json").read_text())
+        assert [f["kind"] for f in state["samplers"]["failures"]] == ["died"]
+        assert state["replay_buffer"]["ledger"]["trained"] == saved["hetero/trained"]

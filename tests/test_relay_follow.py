@@ -122,6 +122,7 @@ def test_the_book_holds_each_group_at_its_oldest_replica_and_measures_arrival_la
     assert metrics["g_0/weight_age"] == 1 and metrics["g_0/relay_bytes"] == 15
     assert metrics["g_0/arrival_lag_mean_s"] == pytest.approx((5.0 + 2.0) / 2)
     assert metrics["g_1/arrival_lag_mean_s"] == pytest.approx(1.0)
+    assert metrics["g_0/pull_s_mean"] == pytest.approx(1.0)
     book.remove_replica(1)
     assert book.held == [2, 2]
     book.retire(1)

@@ -42,6 +42,8 @@ class ArrivalBook:
         #: group -> arrival lags in seconds (arrival - publication) of its installs
         self.lags_s: list[list[float]] = [[] for _ in range(self.num_groups)]
         self.bytes: list[int] = [0] * self.num_groups
+        #: group -> seconds each pull took (its link's share of the lag)
+        self.pull_s: list[list[float]] = [[] for _ in range(self.num_groups)]
 
     def publish(self, version: int, now: float) -> None:
         if version <= self.latest:
@@ -58,6 +60,7 @@ class ArrivalBook:
         if published is not None:
             self.lags_s[receipt.group].append(receipt.arrival - published)
         self.bytes[receipt.group] += receipt.nbytes
+        self.pull_s[receipt.group].append(receipt.seconds)
         return Installed(receipt.group, receipt.replica, receipt.version, receipt.arrival)
 
     def add_replica(self, replica: int, group: int, version: int) -> None:
@@ -94,4 +97,6 @@ class ArrivalBook:
             out[f"{prefix}_{group}/relay_bytes"] = float(self.bytes[group])
             if self.lags_s[group]:
                 out[f"{prefix}_{group}/arrival_lag_mean_s"] = float(np.mean(self.lags_s[group]))
+            if self.pull_s[group]:
+                out[f"{prefix}_{group}/pull_s_mean"] = float(np.mean(self.pull_s[group]))
         return out

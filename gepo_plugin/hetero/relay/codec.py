@@ -2,10 +2,10 @@
 
 A version is held as :class:`WeightBits`: every tensor as a flat array of unsigned integers of its element's width
 (bf16 as ``uint16``, fp32 as ``uint32``), which makes "changed" and "apply" exact for every value, NaN and -0.0
-included. A delta stores, per tensor that changed, the gaps between changed 64-bit words (``uint32``) and the XOR of
-old and new bits there; a small optimizer step flips only low mantissa bits of a few elements, so most bytes of
-the XORs are zero and zstd shrinks them well. Shards are safetensors files (numpy arrays); the tensors' dtypes and
-shapes travel in the manifest.
+included. A delta stores, per tensor that changed, which 64-bit words changed (the gaps between them as ``uint32``,
+or a bitmap when changes are dense) and the XOR of old and new bits there; a small optimizer step flips only low
+mantissa bits of a few elements, so most bytes of the XORs are zero and zstd shrinks them well. Shards are
+safetensors files (numpy arrays); the tensors' dtypes and shapes travel in the manifest.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from safetensors.numpy import save as st_save
 
 _UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_IDX, _XOR, _TAIL = "|gaps", "|xor", "|tail"
+_IDX, _MAP, _XOR, _TAIL = "|gaps", "|bitmap", "|xor", "|tail"
 
 
 @dataclass(frozen=True)
@@ -117,9 +117,10 @@ def decode_full(data: bytes, specs: Mapping[str, TensorSpec]) -> dict[str, np.nd
 class DeltaEncoder:
     """Encodes exact deltas 64 bits at a time, reusing one scratch buffer (a fresh one per tensor costs page faults).
 
-    Each tensor's bytes are compared as ``uint64`` words (a tail of fewer than 8 bytes as bytes): the delta keeps
-    the gaps between changed words and their XOR. On a CPU this finds the changes at several GB/s where an
-    element-wise scan manages a fraction of it; the zero lanes of a changed word cost almost nothing after zstd.
+    Each tensor's bytes are compared as ``uint64`` words (a tail of fewer than 8 bytes as bytes): the delta
+    keeps which words changed (the gaps between them, or a bitmap when more than one word in 32 changed) and
+    their XOR. On a CPU this finds the changes at several GB/s where an element-wise scan manages a fraction of
+    it; the zero lanes of a changed word cost almost nothing after zstd.
     """
 
     def __init__(self) -> None:
@@ -136,15 +137,21 @@ class DeltaEncoder:
             if self._scratch.size < words:
                 self._scratch = np.empty(words, np.uint64)
             xor = np.bitwise_xor(before[:body].view(np.uint64), after[:body].view(np.uint64), out=self._scratch[:words])
-            positions = np.flatnonzero(xor)
             tail = np.bitwise_xor(before[body:], after[body:])
-            if positions.size == 0 and not tail.any():
+            count = int(np.count_nonzero(xor))
+            if count == 0 and not tail.any():
                 continue
-            values = xor[positions]
+            if count * 32 > words:  # dense: one bit per word costs less than a 32-bit gap per changed word
+                mask = xor != 0
+                payload[name + _MAP] = np.packbits(mask)
+                values = xor[mask]
+            else:
+                positions = np.flatnonzero(xor)
+                payload[name + _IDX] = np.diff(positions, prepend=-1).astype(np.uint32)
+                values = xor[positions]
             width = new.specs[name].width
-            changed += int(np.count_nonzero(values.view(_UINT_OF_WIDTH[width]))) if width < 8 else positions.size
+            changed += int(np.count_nonzero(values.view(_UINT_OF_WIDTH[width]))) if width < 8 else count
             changed += int(np.count_nonzero(tail.view(_UINT_OF_WIDTH[width]))) if tail.size else 0
-            payload[name + _IDX] = np.diff(positions, prepend=-1).astype(np.uint32)
             payload[name + _XOR] = values
             if tail.any():
                 payload[name + _TAIL] = tail
@@ -159,14 +166,17 @@ def encode_delta(old: WeightBits, new: WeightBits, names: Iterable[str]) -> tupl
 def apply_delta(weights: WeightBits, data: bytes) -> None:
     """Apply a delta shard to ``weights`` in place (the caller applies a version only once it is verified)."""
     arrays = st_load(data)
-    for key, gaps in arrays.items():
-        if not key.endswith(_IDX):
+    for key, values in arrays.items():
+        if not key.endswith(_XOR):
             continue
-        name = key[: -len(_IDX)]
+        name = key[: -len(_XOR)]
         target = _bytes(weights.bits[name])
         body = target.size - target.size % 8
         words = target[:body].view(np.uint64)
-        words[np.cumsum(gaps, dtype=np.int64) - 1] ^= arrays[name + _XOR]
+        if name + _MAP in arrays:
+            words[np.unpackbits(arrays[name + _MAP], count=words.size).view(bool)] ^= values
+        else:
+            words[np.cumsum(arrays[name + _IDX], dtype=np.int64) - 1] ^= values
         tail = arrays.get(name + _TAIL)
         if tail is not None:
             target[body:] ^= tail

@@ -3,9 +3,10 @@
 The follower pulls in its own thread, so a sampler keeps generating with the weights it has while the next version
 crosses its link. A completed pull is *staged*: a copy that stays unchanged until the learner installs it at a safe
 point (the pull goes on into the follower's working copy meanwhile), and a :class:`Receipt` saying when it arrived
-and what it cost. A newer completed pull replaces a staged version that was not installed yet. Store errors are
-retried with back-off and counted; a chain that no longer exists in the store (corrupt shards) is reported as
-``keyframe_needed``, and the learner publishes one.
+and what it cost. The two newest staged versions are kept, so the version the learner saw in a status is still there
+when it asks to install it, even if a newer one landed in between; installing one drops it and every older one.
+Store errors are retried with back-off and counted; a chain that no longer exists in the store (corrupt shards) is
+reported as ``keyframe_needed``, and the learner publishes one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from gepo_plugin.hetero.relay.codec import WeightBits
 from gepo_plugin.hetero.relay.puller import Held, RelayIntegrityError, RelayPuller
 
 logger = logging.getLogger(__name__)
+#: staged versions kept for installation (the newest two)
+STAGED_KEPT = 2
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class RelayFollower:
         self.puller, self.group, self.replica = puller, group, replica
         self.poll_s, self.max_consecutive_errors, self.clock = poll_s, max_consecutive_errors, clock
         self._held: Held | None = None
-        self._staged: tuple[int, WeightBits] | None = None
+        self._staged: dict[int, WeightBits] = {}
         self._receipts: list[Receipt] = []
         self._keyframe_needed: int | None = None
         self._error: str | None = None
@@ -78,19 +81,19 @@ class RelayFollower:
         """Drain the receipts (each is reported once)."""
         with self._lock:
             receipts, self._receipts = self._receipts, []
-            staged = self._staged[0] if self._staged is not None else None
+            staged = max(self._staged, default=None)
             return FollowerStatus(
                 receipts, staged, self._keyframe_needed, self.puller.counters.metrics(""), self._error
             )
 
     def take(self, version: int) -> WeightBits:
-        """The staged weights of ``version``, for installation (the slot is then free for the next pull)."""
+        """The staged weights of ``version``, for installation (it and older staged versions are then dropped)."""
         with self._lock:
-            if self._staged is None or self._staged[0] != version:
-                have = None if self._staged is None else self._staged[0]
+            if version not in self._staged:
+                have = sorted(self._staged)
                 raise LookupError(f"relay: version {version} is not staged on this replica (staged: {have})")
-            weights = self._staged[1]
-            self._staged = None
+            weights = self._staged[version]
+            self._staged = {v: w for v, w in self._staged.items() if v > version}
             return weights
 
     def _run(self) -> None:
@@ -122,7 +125,9 @@ class RelayFollower:
             with self._lock:
                 if self._keyframe_needed is not None and result.held.version >= self._keyframe_needed:
                     self._keyframe_needed = None
-                self._staged = (result.held.version, staged)
+                self._staged[result.held.version] = staged
+                for old in sorted(self._staged)[:-STAGED_KEPT]:
+                    del self._staged[old]
                 self._receipts.append(
                     Receipt(self.group, self.replica, result.held.version, self.clock(), result.nbytes, result.seconds)
                 )

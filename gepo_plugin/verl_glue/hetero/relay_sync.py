@@ -222,7 +222,8 @@ class RelayWeightSync(DelayedWeightSync):
                     f"{self.settings.relay.url} within {FIRST_SYNC_TIMEOUT_S:.0f} s"
                 )
             time.sleep(self.settings.relay.poll_s)
-        self.schedule.lags_s = [[] for _ in range(self.schedule.num_groups)]
+        self.schedule.lags_s = [[] for _ in range(self.schedule.num_groups)]  # the first sync is not a step's
+        self.schedule.pull_s = [[] for _ in range(self.schedule.num_groups)]
 
     def metrics(self, learner_version: int) -> dict[str, float]:
         assert self.schedule is not None
