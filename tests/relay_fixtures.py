@@ -63,3 +63,11 @@ def s3_server() -> Iterator[tuple[str, dict]]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def train_and_publish(learner: Learner, publisher, versions) -> None:
+    """One learner step per version, each version published and uploaded before the next."""
+    for version in versions:
+        learner.step()
+        publisher.publish(version, learner.weights())
+        publisher.wait()

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from relay_fixtures import FAST_RETRY, Learner
+from relay_fixtures import FAST_RETRY, Learner, train_and_publish
 
 from gepo_plugin.hetero.relay import codec
 from gepo_plugin.hetero.relay.link import Link, LinkConfig
@@ -114,14 +114,9 @@ def test_the_plan_is_the_cheapest_complete_chain(tmp_path: Path) -> None:
     learner, publisher = Learner(lr=1e-2), RelayPublisher(store, "run", SETTINGS)
     publisher.hold(0)
     puller = RelayPuller(store, "run")
-    learner.step()
-    publisher.publish(1, learner.weights())
-    publisher.wait()
+    train_and_publish(learner, publisher, [1])
     first = puller.pull(None).held
-    for version in range(2, 15):
-        learner.step()
-        publisher.publish(version, learner.weights())
-        publisher.wait()
+    train_and_publish(learner, publisher, range(2, 15))
     manifests = puller.refresh()
     plan = puller.plan(first, 14)
     cost = sum(m.nbytes(part) for m, part in plan)
@@ -167,14 +162,9 @@ def test_a_corrupt_or_truncated_shard_is_fetched_again_then_planned_around(tmp_p
     learner, publisher = Learner(lr=1e-5), RelayPublisher(store, "run", SETTINGS)  # small deltas: chains win
     publisher.hold(1)
     puller = RelayPuller(store, "run")
-    learner.step()
-    publisher.publish(1, learner.weights())
-    publisher.wait()
+    train_and_publish(learner, publisher, [1])
     held = puller.pull(None).held
-    for version in range(2, 7):
-        learner.step()
-        publisher.publish(version, learner.weights())
-        publisher.wait()
+    train_and_publish(learner, publisher, range(2, 7))
     puller.refresh()
     assert [(m.version, part) for m, part in puller.plan(held, 6)] == [(v, "delta") for v in range(2, 7)]
     root = tmp_path / "store"
@@ -184,10 +174,7 @@ def test_a_corrupt_or_truncated_shard_is_fetched_again_then_planned_around(tmp_p
     assert result.held.weights.equal(bits(learner.weights()))
     assert result.steps == [(2, "delta"), (5, "full"), (6, "delta")]  # fetched again, then around the bad delta
     assert puller.counters.get("shards_corrupt") == puller.fetch_attempts
-    for version in range(7, 11):
-        learner.step()
-        publisher.publish(version, learner.weights())
-        publisher.wait()
+    train_and_publish(learner, publisher, range(7, 11))
     truncated = publisher.published[7].delta[-1]
     path = root / shard_key(truncated.sha256)
     path.write_bytes(path.read_bytes()[: truncated.nbytes // 2])
@@ -203,14 +190,10 @@ def test_with_no_chain_left_the_learner_is_asked_for_a_keyframe(tmp_path: Path) 
     learner, publisher = Learner(), RelayPublisher(store, "run", RelayConfig(keyframe_every=100))
     publisher.hold(1)
     puller = RelayPuller(store, "run")
-    learner.step()
-    publisher.publish(1, learner.weights())
-    publisher.wait()
+    train_and_publish(learner, publisher, [1])
     held = puller.pull(None).held
     first = bits(learner.weights())
-    learner.step()
-    publisher.publish(2, learner.weights())
-    publisher.wait()
+    train_and_publish(learner, publisher, [2])
     for shard in publisher.published[2].delta:
         (tmp_path / "store" / shard_key(shard.sha256)).unlink()
     with pytest.raises(RelayIntegrityError) as error:
@@ -218,9 +201,7 @@ def test_with_no_chain_left_the_learner_is_asked_for_a_keyframe(tmp_path: Path) 
     assert error.value.version == 2
     assert held.version == 1 and held.weights.equal(first)  # the failed pull installed nothing
     publisher.request_keyframe()
-    learner.step()
-    publisher.publish(3, learner.weights())
-    publisher.wait()
+    train_and_publish(learner, publisher, [3])
     assert publisher.published[3].full is not None
     result = puller.pull(held)
     assert result.steps[0] == (3, "full") and result.held.weights.equal(bits(learner.weights()))
@@ -290,9 +271,7 @@ def test_a_resumed_run_continues_from_the_store_in_a_new_lineage(tmp_path: Path)
     puller = RelayPuller(store, "run")
     held = None
     for version in range(1, 7):
-        learner.step()
-        publisher.publish(version, learner.weights())
-        publisher.wait()
+        train_and_publish(learner, publisher, [version])
         held = puller.pull(held).held  # the sampler holds version 6 of the abandoned future
     publisher.close()
     resumed_learner = Learner(seed=1)  # another trajectory from the checkpoint at version 4

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from relay_fixtures import FAST_RETRY, Learner
+from relay_fixtures import FAST_RETRY, Learner, train_and_publish
 
 from gepo_plugin.hetero.relay import codec
 from gepo_plugin.hetero.relay.arrivals import ArrivalBook
@@ -56,9 +56,7 @@ def test_a_slow_link_makes_a_follower_arrive_later_by_its_bytes(tmp_path: Path) 
     store = RelayStore(str(tmp_path), retry=FAST_RETRY)
     learner = Learner(width=256)
     publisher = RelayPublisher(store, "run", RelayConfig())
-    learner.step()
-    publisher.publish(1, learner.weights())
-    publisher.wait()
+    train_and_publish(learner, publisher, [1])
     size = publisher.published[1].nbytes("full")
     fast = RelayFollower(RelayPuller(store, "run"), 0, 0, poll_s=0.01)
     slow = RelayFollower(RelayPuller(store, "run", link=Link(LinkConfig(bandwidth_mbps=8.0))), 1, 1, poll_s=0.01)
@@ -82,16 +80,12 @@ def test_a_follower_whose_chain_is_gone_asks_for_a_keyframe_then_recovers(tmp_pa
     publisher = RelayPublisher(store, "run", RelayConfig(keyframe_every=100))
     publisher.hold(1)
     follower = RelayFollower(RelayPuller(store, "run"), 0, 0, poll_s=0.01)
-    learner.step()
-    publisher.publish(1, learner.weights())
-    publisher.wait()
+    train_and_publish(learner, publisher, [1])
     follower.start()
     wait_for(lambda: follower.status().staged == 1)
     # stop the follower's progress while version 2's shards are removed, as a store losing objects would
     follower.stop()
-    learner.step()
-    publisher.publish(2, learner.weights())
-    publisher.wait()
+    train_and_publish(learner, publisher, [2])
     for shard in publisher.published[2].delta:
         (tmp_path / shard_key(shard.sha256)).unlink()
     resumed = RelayFollower(follower.puller, 0, 0, poll_s=0.01)
@@ -134,9 +128,7 @@ def test_a_store_that_keeps_failing_ends_in_a_clear_error_and_installs_nothing(t
     store = RelayStore(str(root), retry=FAST_RETRY)
     learner = Learner()
     publisher = RelayPublisher(store, "run", RelayConfig())
-    learner.step()
-    publisher.publish(1, learner.weights())
-    publisher.wait()
+    train_and_publish(learner, publisher, [1])
     publisher.close()
     follower = RelayFollower(RelayPuller(store, "run"), 0, 0, poll_s=0.01, max_consecutive_errors=3)
     follower.start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from relay_fixtures import FAST_RETRY, Learner, s3_server
+from relay_fixtures import FAST_RETRY, Learner, s3_server, train_and_publish
 
 from gepo_plugin.hetero.relay import codec
 from gepo_plugin.hetero.relay.link import Link, LinkConfig
@@ -32,9 +32,7 @@ def test_two_groups_pull_exact_weights_over_s3_and_the_slow_link_is_slower_by_it
     slow = RelayPuller(RelayStore(f"{url}/exact", options, retry=FAST_RETRY), "run", link=slow_link)
     held = {"fast": None, "slow": None}
     for version in range(1, 9):
-        learner.step()
-        publisher.publish(version, learner.weights())
-        publisher.wait()
+        train_and_publish(learner, publisher, [version])
         truth = codec.WeightBits.from_tensors(learner.weights())
         for name, puller in (("fast", fast), ("slow", slow)):
             result = puller.pull(held[name])
@@ -55,14 +53,9 @@ def test_a_shard_corrupted_in_the_bucket_is_detected_and_the_sampler_goes_around
     publisher = RelayPublisher(store, "run", RelayConfig(keyframe_every=3, shard_mb=8 / 1024))
     publisher.hold(1)
     puller = RelayPuller(RelayStore(f"{url}/corrupt", options, retry=FAST_RETRY), "run")
-    learner.step()
-    publisher.publish(1, learner.weights())
-    publisher.wait()
+    train_and_publish(learner, publisher, [1])
     held = puller.pull(None).held
-    for version in range(2, 6):
-        learner.step()
-        publisher.publish(version, learner.weights())
-        publisher.wait()
+    train_and_publish(learner, publisher, range(2, 6))
     shard = publisher.published[2].delta[0]
     store.fs.pipe_file(store.path(shard_key(shard.sha256)), b"garbage")  # truncated and wrong
     result = puller.pull(held)

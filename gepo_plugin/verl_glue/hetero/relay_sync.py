@@ -29,7 +29,7 @@ from gepo_plugin.hetero.relay.follower import FollowerStatus, Receipt
 from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue.hetero.health import probe
 from gepo_plugin.verl_glue.hetero.relay_engine import BACKEND
-from gepo_plugin.verl_glue.hetero.weight_sync import PREFIX, DelayedWeightSync
+from gepo_plugin.verl_glue.hetero.weight_sync import DelayedWeightSync
 
 logger = logging.getLogger(__name__)
 RELAY_PREFIX = "hetero/relay/"
@@ -226,12 +226,7 @@ class RelayWeightSync(DelayedWeightSync):
         self.schedule.pull_s = [[] for _ in range(self.schedule.num_groups)]
 
     def metrics(self, learner_version: int) -> dict[str, float]:
-        assert self.schedule is not None
-        out = self.schedule.metrics(learner_version, PREFIX)
-        for index in range(len(self.groups)):
-            out[f"{PREFIX}_{index}/paused"] = float(index in self.paused)
-            out[f"{PREFIX}_{index}/installs"] = float(self.deliveries[index])
-        out["hetero/oldest_sampler_version"] = float(self.schedule.oldest_held())
+        out = super().metrics(learner_version)  # the groups' books (no snapshots: the store holds the versions)
         out.update(self.publish_metrics)
         for name, value in _summed(self.sampler_counters.values()).items():
             out[f"{RELAY_PREFIX}samplers/{name}"] = value
