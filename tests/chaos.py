@@ -7,6 +7,7 @@ never answers again). Each action runs in a short-lived driver process, so the t
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import shutil
@@ -192,3 +193,34 @@ def wait_until(process: subprocess.Popen, metrics: Path, done, what: str, timeou
 
 def wait_for_step(process: subprocess.Popen, metrics: Path, step: int, timeout_s: float = 600) -> dict[int, dict]:
     return wait_until(process, metrics, lambda logged: step in logged, f"step {step}", timeout_s)
+
+
+#: Groups and responses per step (``cpu_run_overrides``' defaults).
+PROMPTS, RESPONSES = 4, 4
+
+
+def failures(count: int):
+    """A condition on the logged metrics: ``count`` sampler failures have been counted."""
+    return lambda logged: any(m.get("hetero/sampler_failures", 0) >= count for m in logged.values())
+
+
+def check_every_step(metrics: dict[int, dict], max_lag: int) -> None:
+    """At every HeteroRL step the books balance (nothing lost silently) and the lag bound holds."""
+    for step, m in sorted(metrics.items()):
+        if "hetero/produced" in m:
+            assert m["hetero/produced"] == m["hetero/trained"] + m["hetero/dropped"] + m["hetero/queued"], (step, m)
+            assert m["hetero/lag/max"] <= max_lag, (step, m["hetero/lag/max"])
+
+
+def check_gepo_hetero_step(step: int, m: dict) -> None:
+    """What every step of a HeteroRL run with GEPO must show."""
+    assert m["hetero/trained"] == PROMPTS * step, (step, m)  # one batch of groups per step, nothing trained twice
+    assert m["actor/gepo/group_term_present"] == 1.0 and math.isfinite(m["actor/pg_loss"])
+    # GEPO's weight by lag bucket: finalised shares of the step's sequences
+    shares = [v for k, v in m.items() if k.startswith("actor/gepo/iw_by_lag/") and k.endswith("/fraction")]
+    assert shares and abs(sum(shares) - 1.0) < 1e-6, m
+    assert not any(k.startswith("actor/gepo/iw_by_lag/") and k.endswith(("/sum", "/sumsq", "/count")) for k in m)
+    # every trained trajectory is attributed to the server that generated it
+    per_group = {k: v for k, v in m.items() if k.endswith("/trained_trajectories")}
+    assert sum(per_group.values()) == PROMPTS * RESPONSES, (step, per_group)
+    assert "hetero/sampler_group_unknown/trained_trajectories" not in m

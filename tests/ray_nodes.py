@@ -78,15 +78,17 @@ class RayNodes:
         self.temp_dir = temp_dir
         self.address = f"{HEAD_IP}:{_free_port()}"
         self.nodes: dict[str, Node] = {}
+        self._workers_started = 0  # each worker node gets its own address, 127.0.0.2, 127.0.0.3, ...
         self.base = {
             **os.environ,
             **CLUSTER_ENV,
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
             "NODE_IP": HEAD_IP,
             "RAY_BLOCK": "1",
-            # Ray's hybrid scheduling places an actor on its creator's node until that node is this full: the run's
-            # own actors (created on the head) stay on the head, as a deployment's learner-side services would
-            "RAY_scheduler_spread_threshold": "1.0",
+            # an actor created without a placement goes to a node at random, unless nodes differ in use: with a
+            # spread threshold of 0 Ray picks the least-used node (CPU reserved / CPU), which is the head (see
+            # WORKER_RESERVED_CPUS)
+            "RAY_scheduler_spread_threshold": "0.0",
         }
 
     def start_head(self, gpus: int, cpus: int) -> None:
@@ -104,8 +106,11 @@ class RayNodes:
         self.nodes["head"] = _start("start_head.sh", env, "head", gpus, self.temp_dir)
         self.nodes["head"].node_id = _new_node_id(self.address, set())
 
-    def add_worker(self, gpus: int, cpus: int) -> Node:
-        index = len(self.nodes) - 1
+    def add_worker(self, gpus: int) -> Node:
+        """A sampler node with ``gpus`` logical GPUs (room for one rollout bundle each) and its reserved CPUs."""
+        cpus = SAMPLER_NODE_CPUS * gpus + WORKER_RESERVED_CPUS
+        index = self._workers_started
+        self._workers_started += 1
         name = f"worker{index}"
         env = {
             **self.base,
@@ -117,45 +122,82 @@ class RayNodes:
         }
         known = {node.node_id for node in self.nodes.values()}
         self.nodes[name] = _start("start_worker.sh", env, name, gpus, self.temp_dir)
-        self.nodes[name].node_id = _new_node_id(self.address, known)
+        self.nodes[name].node_id = node_id = _new_node_id(self.address, known)
+        reserve = _RESERVE.replace("NODE", node_id).replace("CPUS", str(WORKER_RESERVED_CPUS))
+        _driver(reserve.replace("RESERVED", RESERVED_ACTOR), self.address)
         return self.nodes[name]
 
+    def remove(self, name: str) -> None:
+        """Stop one node cleanly (``ray stop``'s signal: its raylet leaves the cluster at once)."""
+        node = self.nodes.pop(name)
+        if node.process.poll() is None:
+            os.killpg(node.process.pid, signal.SIGTERM)
+            try:
+                node.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(node.process.pid, signal.SIGKILL)
+
     def stop(self) -> None:
-        for node in reversed(list(self.nodes.values())):
-            if node.process.poll() is None:
-                os.killpg(node.process.pid, signal.SIGTERM)
-                try:
-                    node.process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(node.process.pid, signal.SIGKILL)
+        for name in reversed(list(self.nodes)):
+            self.remove(name)
+
+    def head_listed_first(self) -> bool:
+        """Whether Ray lists the head first among the alive nodes with CPUs (see :func:`ray_nodes`)."""
+        return _driver(_CPU_NODES, self.address)[0] == self.nodes["head"].node_id
 
 
 #: A custom resource only the head (the learner's node) has: ``transfer_queue.backend.SimpleStorage.
 #: required_node_resource`` keeps the rollouts' storage there, so losing a sampler node loses no stored rollout.
 LEARNER_RESOURCE = "gepo_learner"
-#: The head's address; worker nodes take 127.0.0.2, 127.0.0.3, ... (all this machine): a driver that joins with
-#: ``ray_init._node_ip_address=HEAD_IP`` attaches to the head (with several nodes on one address Ray picks any), so
-#: the run's TaskRunner starts on the learner's node.
-HEAD_IP = "127.0.0.1"
-#: Logical CPUs of a sampler node: exactly one verl rollout bundle ({"CPU": 3, "GPU": 1}, verl's default
-#: max_colocate_count), so that nothing but the sampler is placed there.
+#: The head's address; worker nodes take 127.0.0.2, 127.0.0.3, ... (all this machine, all loopback): a driver that
+#: joins with ``ray_init._node_ip_address=HEAD_IP`` attaches to the head, so the run's TaskRunner (and what it
+#: creates without a placement) starts on the learner's node. Not 127.0.0.1: Ray rewrites that address to the
+#: machine's own (``resolve_ip_for_localhost``), and a driver on 127.0.0.1 then matches no node and joins any.
+HEAD_IP = "127.0.0.100"
+#: Logical CPUs a sampler node offers the run: verl's rollout bundle ({"CPU": 2, "GPU": 1}) and its server's CPU
 SAMPLER_NODE_CPUS = 3
+#: Logical CPUs a worker node keeps for itself (a detached actor holds them for the node's life): the node is then
+#: more used than the head (whose learner pool reserves 6 of its 64), so Ray places everything verl creates without
+#: a placement (its TaskRunner, TransferQueue's controller, the load balancer) on the head
+WORKER_RESERVED_CPUS = 1
+#: The class name of the actor that holds them
+RESERVED_ACTOR = "Reserved"
 
 
 @contextmanager
-def ray_nodes(head_gpus: int, worker_gpus: list[int], head_cpus: int = 64) -> Iterator[RayNodes]:
-    """A head with ``head_gpus`` logical GPUs and one worker node per entry of ``worker_gpus`` (``worker0``, ...).
+def ray_nodes(head_gpus: int, worker_gpus: list[int], head_cpus: int = 64, tries: int = 12) -> Iterator[RayNodes]:
+    """A head with ``head_gpus`` logical GPUs and one worker node per entry of ``worker_gpus`` (``worker0``, ...),
+    each worker holding nothing but what is placed on it on purpose (a sampler), as in a deployment whose sampler
+    nodes only sample.
 
-    Ray places an actor on its creator's node until that node is full (``RAY_scheduler_spread_threshold=1``), and
-    the head has many logical CPUs: the run's own actors (TaskRunner, TransferQueue, reward and agent loops) stay on
-    the head, and a worker node holds exactly one sampler bundle, as a deployment whose sampler nodes only sample."""
-    temp_dir = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    new_cluster_token()
-    cluster = RayNodes(temp_dir)
+    - Ray places an actor created without a placement on the least-used node (spread threshold 0; each worker keeps
+      ``WORKER_RESERVED_CPUS``): verl's TaskRunner, TransferQueue's controller and the load balancer go to the head.
+    - The learner's pool (both logical GPUs of one node, strictly packed) can only go to the head; TransferQueue's
+      storage goes where ``LEARNER_RESOURCE`` is.
+    - verl 0.9.1 places its reward-loop and agent-loop workers round-robin over ``ray.nodes()`` (alive, with CPUs)
+      in the order Ray's GCS lists them, a hash order of the random node ids fixed for the cluster's life: with one
+      worker of each, the first node listed gets both. So the cluster is started again (at most ``tries`` times)
+      until the head is listed first.
+    """
+    for _ in range(tries):
+        temp_dir = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+        new_cluster_token()
+        cluster = RayNodes(temp_dir)
+        try:
+            cluster.start_head(head_gpus, head_cpus)
+            for gpus in worker_gpus:
+                cluster.add_worker(gpus)
+            if cluster.head_listed_first():
+                break
+        except BaseException:
+            cluster.stop()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
+        cluster.stop()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    else:
+        raise RuntimeError(f"Ray never listed the head first in {tries} clusters")
     try:
-        cluster.start_head(head_gpus, head_cpus)
-        for gpus in worker_gpus:
-            cluster.add_worker(gpus, SAMPLER_NODE_CPUS * gpus)
         yield cluster
     finally:
         cluster.stop()
@@ -165,13 +207,33 @@ def ray_nodes(head_gpus: int, worker_gpus: list[int], head_cpus: int = 64) -> It
 _ACTORS = """
 import json, sys, ray
 from ray._private import state
-ray.init(address=sys.argv[1], logging_level="ERROR")
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 alive = [a for a in state.state.actor_table(None).values() if a["State"] == "ALIVE"]
 print(json.dumps([[a.get("Name") or a["ActorClassName"], a["Address"]["NodeID"]] for a in alive]))
 """
+#: A detached actor holding ``CPUS`` logical CPUs on node ``NODE`` for the node's life (see WORKER_RESERVED_CPUS)
+_RESERVE = """
+import json, ray, sys
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+
+@ray.remote(num_cpus=CPUS)
+class RESERVED:
+    def ready(self):
+        return True
+
+on_node = NodeAffinitySchedulingStrategy("NODE", soft=False)
+print(json.dumps(ray.get(RESERVED.options(lifetime="detached", scheduling_strategy=on_node).remote().ready.remote())))
+"""
+#: verl's own filter and order for its reward- and agent-loop workers (``_init_reward_loop_workers``)
+_CPU_NODES = """
+import json, sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+print(json.dumps([n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]))
+"""
 _NODES = """
 import json, sys, ray
-ray.init(address=sys.argv[1], logging_level="ERROR")
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 print(json.dumps([n["NodeID"] for n in ray.nodes() if n["Alive"]]))
 """
 

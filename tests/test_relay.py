@@ -61,6 +61,59 @@ def test_delta_is_exact_for_every_bit_pattern_and_dtype() -> None:
         assert tensor.dtype == new[name].dtype and tensor.shape == new[name].shape
         assert torch.equal(tensor.view(-1).view(torch.uint8), new[name].reshape(-1).view(torch.uint8))
     assert codec.encode_delta(b, b, list(b.specs))[1] == 0
+    # a delta whose bitmap and values disagree is refused, not applied with values reused
+    arrays = load(raw)
+    arrays["bf16|xor"] = arrays["bf16|xor"][:-1]
+    with pytest.raises(ValueError, match="bitmap and its values disagree"):
+        codec.apply_delta(a.copy(), b"".join(codec.safetensors_pieces(arrays)))
+
+
+def test_a_dense_delta_applied_in_chunks_is_exact(monkeypatch) -> None:
+    generator = torch.Generator().manual_seed(2)
+    old = {"w": torch.randn(10_003, generator=generator).to(torch.bfloat16)}  # 2500 words and a tail
+    new = {"w": (old["w"].float() * (1 + 0.01 * torch.randn(10_003, generator=generator))).to(torch.bfloat16)}
+    a, b = bits(old), bits(new)
+    raw, _ = codec.encode_delta(a, b, ["w"])
+    from safetensors.numpy import load
+
+    assert "w|bitmap" in load(raw)
+    monkeypatch.setattr(codec, "_APPLY_CHUNK_WORDS", 64)  # many chunks, the last one short
+    applied = a.copy()
+    codec.apply_delta(applied, raw)
+    assert applied.equal(b)
+
+
+def test_a_keyframe_shard_is_a_safetensors_file_written_without_a_whole_copy(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(1)
+    weights = {
+        "embed": torch.randn(4096, 1024, generator=generator).to(torch.bfloat16),  # 8 MiB
+        "norm": torch.randn(1023, generator=generator),  # an odd length: the header pads the data to 8 bytes
+        "step": torch.tensor([7], dtype=torch.int64),
+        "flags": torch.tensor([True, False, True]),
+    }
+    held = bits(weights)
+    pieces = codec.encode_full(held, list(held.specs))
+    from safetensors.numpy import load
+
+    read = load(b"".join(pieces))  # safetensors itself validates the header, offsets and dtypes
+    assert set(read) == set(held.bits)
+    assert all(np.array_equal(read[n], held.bits[n]) and read[n].dtype == held.bits[n].dtype for n in read)
+
+    # encoding and publishing it hashes and writes the pieces in place: no allocation near the shard's size
+    import tracemalloc
+
+    store = make_store(tmp_path)
+    publisher = RelayPublisher(store, "run", RelayConfig(shard_mb=64))
+    tracemalloc.start()
+    try:
+        publisher._put_shard(codec.encode_full(held, list(held.specs)), list(held.specs), level=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        publisher.close()
+    assert peak < held.nbytes / 8, (peak, held.nbytes)
+    (stored,) = [p for p in (tmp_path / "store" / "shards").iterdir()]
+    assert stored.read_bytes() == b"".join(pieces)
 
 
 def test_shards_respect_their_size_and_keep_every_tensor_once() -> None:

@@ -5,21 +5,27 @@ A version is held as :class:`WeightBits`: every tensor as a flat array of unsign
 included. A delta stores, per tensor that changed, which 64-bit words changed (the gaps between them as ``uint32``,
 or a bitmap when changes are dense) and the XOR of old and new bits there; a small optimizer step flips only low
 mantissa bits of a few elements, so most bytes of the XORs are zero and zstd shrinks them well. Shards are
-safetensors files (numpy arrays); the tensors' dtypes and shapes travel in the manifest.
+safetensors files (numpy arrays); the tensors' dtypes and shapes travel in the manifest. They are written as a list
+of pieces (the header, then each array's memory in place) because safetensors' ``save`` assembles the whole file in
+memory, several copies of a keyframe; they are read with safetensors' ``load``, which validates the header.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import json
+import struct
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import zstandard
 from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 _UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+#: safetensors' names of the dtypes a shard holds
+_SAFETENSORS_DTYPE = {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32"}
+_SAFETENSORS_DTYPE[np.dtype(np.uint64)] = "U64"
 _TORCH_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _IDX, _MAP, _XOR, _TAIL = "|gaps", "|bitmap", "|xor", "|tail"
 
@@ -99,9 +105,30 @@ def shard_names(specs: Mapping[str, TensorSpec], max_bytes: int) -> list[list[st
     return shards
 
 
-def encode_full(weights: WeightBits, names: Iterable[str]) -> bytes:
-    """A keyframe shard: the named tensors' bits."""
-    return st_save({name: weights.bits[name] for name in names})
+#: A shard as the pieces of one file, written and hashed in order (``b"".join`` gives the file).
+Pieces = Sequence[bytes | memoryview]
+
+
+def safetensors_pieces(arrays: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
+    """A safetensors file of 1-D unsigned arrays as pieces: its header, then each array's memory (not copied)."""
+    header, offset, pieces = {}, 0, []
+    for name, array in arrays.items():
+        data = memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPE[array.dtype],
+            "shape": [array.size],
+            "data_offsets": [offset, offset + data.nbytes],
+        }
+        offset += data.nbytes
+        pieces.append(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors aligns the data on 8 bytes
+    return [struct.pack("<Q", len(text)) + text, *pieces]
+
+
+def encode_full(weights: WeightBits, names: Iterable[str]) -> list[bytes | memoryview]:
+    """A keyframe shard: the named tensors' bits, as pieces that point into ``weights``."""
+    return safetensors_pieces({name: weights.bits[name] for name in names})
 
 
 def decode_full(data: bytes, specs: Mapping[str, TensorSpec]) -> dict[str, np.ndarray]:
@@ -144,7 +171,7 @@ class DeltaEncoder:
             if count * 32 > words:  # dense: one bit per word costs less than a 32-bit gap per changed word
                 mask = xor != 0
                 payload[name + _MAP] = np.packbits(mask)
-                values = xor[mask]
+                values = np.compress(mask, xor)  # twice as fast as xor[mask] here
             else:
                 positions = np.flatnonzero(xor)
                 payload[name + _IDX] = np.diff(positions, prepend=-1).astype(np.uint32)
@@ -155,7 +182,7 @@ class DeltaEncoder:
             payload[name + _XOR] = values
             if tail.any():
                 payload[name + _TAIL] = tail
-        return st_save(payload), changed
+        return b"".join(safetensors_pieces(payload)), changed
 
 
 def encode_delta(old: WeightBits, new: WeightBits, names: Iterable[str]) -> tuple[bytes, int]:
@@ -174,12 +201,37 @@ def apply_delta(weights: WeightBits, data: bytes) -> None:
         body = target.size - target.size % 8
         words = target[:body].view(np.uint64)
         if name + _MAP in arrays:
-            words[np.unpackbits(arrays[name + _MAP], count=words.size).view(bool)] ^= values
+            _apply_bitmap(name, words, arrays[name + _MAP], values)
         else:
             words[np.cumsum(arrays[name + _IDX], dtype=np.int64) - 1] ^= values
         tail = arrays.get(name + _TAIL)
         if tail is not None:
             target[body:] ^= tail
+
+
+#: Words per pass of a dense delta's apply (32 MiB): one reused buffer instead of a fresh tensor-sized one
+_APPLY_CHUNK_WORDS = 1 << 22
+#: Set bits of each byte value
+_BITS_SET = np.array([bin(byte).count("1") for byte in range(256)], np.uint8)
+
+
+def _apply_bitmap(name: str, words: np.ndarray, bitmap: np.ndarray, values: np.ndarray) -> None:
+    """XOR ``values`` into the words the bitmap marks: the changes are scattered into a zeroed buffer, then XORed
+    in one pass (twice as fast as ``words[mask] ^= values``), a chunk at a time (a handful of chunks per tensor).
+    A bitmap and values that disagree are refused before anything is changed (``np.place`` would reuse values)."""
+    if bitmap.size != (words.size + 7) // 8 or int(_BITS_SET[bitmap].sum(dtype=np.int64)) != values.size:
+        raise ValueError(f"delta for {name!r}: its bitmap and its values disagree")
+    buffer = np.empty(min(_APPLY_CHUNK_WORDS, words.size), np.uint64)
+    used = 0
+    for start in range(0, words.size, _APPLY_CHUNK_WORDS):
+        stop = min(start + _APPLY_CHUNK_WORDS, words.size)
+        mask = np.unpackbits(bitmap[start // 8 : (stop + 7) // 8], count=stop - start).view(bool)
+        count = int(np.count_nonzero(mask))
+        changes = buffer[: stop - start]
+        changes.fill(0)
+        np.place(changes, mask, values[used : used + count])
+        words[start:stop] ^= changes
+        used += count
 
 
 def _bytes(array: np.ndarray) -> np.ndarray:

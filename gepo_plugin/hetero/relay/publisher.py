@@ -14,7 +14,6 @@ can still need (older than that and than the newest keyframe) and the shards onl
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -188,7 +187,7 @@ class RelayPublisher:
             for names in groups:
                 raw, count = self._encoder.encode(previous, bits, names)
                 changed += count
-                delta_shards.append(self._put_shard(raw, names, self.settings.delta_zstd_level))
+                delta_shards.append(self._put_shard([raw], names, self.settings.delta_zstd_level))
         full_shards = None
         if full:
             full_shards = [
@@ -216,12 +215,13 @@ class RelayPublisher:
         self.counters.add("publish_s", time.perf_counter() - started)
         self.counters.add("published_bytes", manifest.nbytes("full") + manifest.nbytes("delta"))
 
-    def _put_shard(self, raw: bytes, names: list[str], level: int) -> Shard:
-        stored = codec.compress(raw, level)
-        sha = hashlib.sha256(stored).hexdigest()
-        if not self.store.exists(shard_key(sha)):
-            self.store.put(shard_key(sha), stored)
-        return Shard(sha256=sha, nbytes=len(stored), compressed=level > 0, tensors=tuple(names))
+    def _put_shard(self, pieces: codec.Pieces, names: list[str], level: int) -> Shard:
+        """Store a shard under its sha256, hashed and written piece by piece (a keyframe is never copied whole)."""
+        if level > 0:
+            pieces = [codec.compress(b"".join(pieces), level)]
+        sha = self.store.put_addressed(SHARDS, pieces)
+        nbytes = sum(memoryview(piece).nbytes for piece in pieces)
+        return Shard(sha256=sha, nbytes=nbytes, compressed=level > 0, tensors=tuple(names))
 
     def _prune(self) -> None:
         with self._cv:
