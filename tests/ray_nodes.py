@@ -8,13 +8,13 @@ The run and the test's drivers join with :data:`chaos.CLUSTER_ENV` (the cluster'
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +30,7 @@ class Node:
     name: str
     process: subprocess.Popen
     gpus: int
+    ip: str
     node_id: str = ""  # Ray's id of the node, set once it joined
 
     def kill(self) -> None:
@@ -53,8 +54,8 @@ def _agent_ports() -> str:
     )
 
 
-def _start(script: str, env: dict[str, str], name: str, gpus: int, temp_dir: str) -> Node:
-    process = subprocess.Popen(
+def _launch(script: str, env: dict[str, str], temp_dir: str) -> subprocess.Popen:
+    return subprocess.Popen(
         ["bash", str(ROOT / "examples" / "ray" / script)],
         env=env,
         cwd=temp_dir,  # the run's actors start here: nothing they write by default lands in the repository
@@ -63,11 +64,15 @@ def _start(script: str, env: dict[str, str], name: str, gpus: int, temp_dir: str
         text=True,
         start_new_session=True,
     )
+
+
+def _started(process: subprocess.Popen, script: str) -> None:
+    """Wait until ``ray start`` (kept in the foreground) says the node runs."""
     lines = []
     for line in process.stdout:
         lines.append(line)
         if "Ray runtime started" in line:
-            return Node(name, process, gpus)
+            return
     raise RuntimeError(f"{script} failed:\n" + "".join(lines))
 
 
@@ -103,29 +108,45 @@ class RayNodes:
             "RAY_EXTRA_ARGS": f"--temp-dir={self.temp_dir} --include-dashboard=false {_agent_ports()} "
             f'--resources={{"{LEARNER_RESOURCE}":1}}',
         }
-        self.nodes["head"] = _start("start_head.sh", env, "head", gpus, self.temp_dir)
-        self.nodes["head"].node_id = _new_node_id(self.address, set())
+        process = _launch("start_head.sh", env, self.temp_dir)
+        _started(process, "start_head.sh")
+        self.nodes["head"] = Node("head", process, gpus, HEAD_IP)
+
+    def add_workers(self, worker_gpus: list[int]) -> None:
+        """Sampler nodes (``gpus`` logical GPUs each: room for one rollout bundle per GPU, and the reserved CPUs),
+        started one at a time (two joining at once can time out here), then each one's CPUs reserved."""
+        started = []
+        for gpus in worker_gpus:
+            index = self._workers_started
+            self._workers_started += 1
+            ip = f"127.0.0.{2 + index}"
+            env = {
+                **self.base,
+                "NODE_IP": ip,
+                "NUM_GPUS": str(gpus),
+                "RAY_NUM_CPUS": str(SAMPLER_NODE_CPUS * gpus + WORKER_RESERVED_CPUS),
+                "RAY_HEAD_ADDRESS": self.address,
+                "RAY_EXTRA_ARGS": _agent_ports(),
+            }
+            node = Node(f"worker{index}", _launch("start_worker.sh", env, self.temp_dir), gpus, ip)
+            self.nodes[node.name] = node
+            started.append(node)
+            _started(node.process, "start_worker.sh")
+        running = [node for node in self.nodes.values() if node.process.poll() is None]
+        settled = _driver(
+            _SETTLE.replace("RESERVED", RESERVED_ACTOR),
+            self.address,
+            str(len(running)),
+            json.dumps([node.ip for node in started]),
+            str(WORKER_RESERVED_CPUS),
+        )
+        for node in running:
+            node.node_id = settled["ids"][node.ip]
 
     def add_worker(self, gpus: int) -> Node:
-        """A sampler node with ``gpus`` logical GPUs (room for one rollout bundle each) and its reserved CPUs."""
-        cpus = SAMPLER_NODE_CPUS * gpus + WORKER_RESERVED_CPUS
-        index = self._workers_started
-        self._workers_started += 1
-        name = f"worker{index}"
-        env = {
-            **self.base,
-            "NODE_IP": f"127.0.0.{2 + index}",
-            "NUM_GPUS": str(gpus),
-            "RAY_NUM_CPUS": str(cpus),
-            "RAY_HEAD_ADDRESS": self.address,
-            "RAY_EXTRA_ARGS": _agent_ports(),
-        }
-        known = {node.node_id for node in self.nodes.values()}
-        self.nodes[name] = _start("start_worker.sh", env, name, gpus, self.temp_dir)
-        self.nodes[name].node_id = node_id = _new_node_id(self.address, known)
-        reserve = _RESERVE.replace("NODE", node_id).replace("CPUS", str(WORKER_RESERVED_CPUS))
-        _driver(reserve.replace("RESERVED", RESERVED_ACTOR), self.address)
-        return self.nodes[name]
+        """One more sampler node (a machine taking a lost one's place)."""
+        self.add_workers([gpus])
+        return self.nodes[f"worker{self._workers_started - 1}"]
 
     def remove(self, name: str) -> None:
         """Stop one node cleanly (``ray stop``'s signal: its raylet leaves the cluster at once)."""
@@ -140,10 +161,6 @@ class RayNodes:
     def stop(self) -> None:
         for name in reversed(list(self.nodes)):
             self.remove(name)
-
-    def head_listed_first(self) -> bool:
-        """Whether Ray lists the head first among the alive nodes with CPUs (see :func:`ray_nodes`)."""
-        return _driver(_CPU_NODES, self.address)[0] == self.nodes["head"].node_id
 
 
 #: A custom resource only the head (the learner's node) has: ``transfer_queue.backend.SimpleStorage.
@@ -165,39 +182,25 @@ RESERVED_ACTOR = "Reserved"
 
 
 @contextmanager
-def ray_nodes(head_gpus: int, worker_gpus: list[int], head_cpus: int = 64, tries: int = 12) -> Iterator[RayNodes]:
-    """A head with ``head_gpus`` logical GPUs and one worker node per entry of ``worker_gpus`` (``worker0``, ...),
-    each worker holding nothing but what is placed on it on purpose (a sampler), as in a deployment whose sampler
-    nodes only sample.
+def ray_nodes(head_gpus: int, worker_gpus: list[int], head_cpus: int = 64) -> Iterator[RayNodes]:
+    """A head with ``head_gpus`` logical GPUs and one worker node per entry of ``worker_gpus`` (``worker0``, ...).
+
+    Where verl's own actors go, so that a sampler node can be lost as in a deployment whose sampler nodes only sample:
 
     - Ray places an actor created without a placement on the least-used node (spread threshold 0; each worker keeps
       ``WORKER_RESERVED_CPUS``): verl's TaskRunner, TransferQueue's controller and the load balancer go to the head.
     - The learner's pool (both logical GPUs of one node, strictly packed) can only go to the head; TransferQueue's
       storage goes where ``LEARNER_RESOURCE`` is.
     - verl 0.9.1 places its reward-loop and agent-loop workers round-robin over ``ray.nodes()`` (alive, with CPUs)
-      in the order Ray's GCS lists them, a hash order of the random node ids fixed for the cluster's life: with one
-      worker of each, the first node listed gets both. So the cluster is started again (at most ``tries`` times)
-      until the head is listed first.
+      in the order Ray's GCS lists them, a hash order of the random node ids: with one worker of each, both go to
+      the first node listed, which may be a worker. At most one worker node hosts them; a test loses another one.
     """
-    for _ in range(tries):
-        temp_dir = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-        new_cluster_token()
-        cluster = RayNodes(temp_dir)
-        try:
-            cluster.start_head(head_gpus, head_cpus)
-            for gpus in worker_gpus:
-                cluster.add_worker(gpus)
-            if cluster.head_listed_first():
-                break
-        except BaseException:
-            cluster.stop()
-            shutil.rmtree(temp_dir, ignore_errors=True)
-            raise
-        cluster.stop()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-    else:
-        raise RuntimeError(f"Ray never listed the head first in {tries} clusters")
+    temp_dir = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    new_cluster_token()
+    cluster = RayNodes(temp_dir)
     try:
+        cluster.start_head(head_gpus, head_cpus)
+        cluster.add_workers(worker_gpus)
         yield cluster
     finally:
         cluster.stop()
@@ -211,38 +214,38 @@ ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 alive = [a for a in state.state.actor_table(None).values() if a["State"] == "ALIVE"]
 print(json.dumps([[a.get("Name") or a["ActorClassName"], a["Address"]["NodeID"]] for a in alive]))
 """
-#: A detached actor holding ``CPUS`` logical CPUs on node ``NODE`` for the node's life (see WORKER_RESERVED_CPUS)
-_RESERVE = """
-import json, ray, sys
+#: Once ``argv[2]`` nodes are alive: a detached actor holding ``argv[4]`` logical CPUs on each node whose address is
+#: in ``argv[3]`` (see WORKER_RESERVED_CPUS); prints every alive node's id by address
+_SETTLE = """
+import json, sys, time, ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+deadline = time.monotonic() + 60
+while len([n for n in ray.nodes() if n["Alive"]]) < int(sys.argv[2]) and time.monotonic() < deadline:
+    time.sleep(0.5)
+ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
-@ray.remote(num_cpus=CPUS)
+@ray.remote
 class RESERVED:
     def ready(self):
         return True
 
-on_node = NodeAffinitySchedulingStrategy("NODE", soft=False)
-print(json.dumps(ray.get(RESERVED.options(lifetime="detached", scheduling_strategy=on_node).remote().ready.remote())))
-"""
-#: verl's own filter and order for its reward- and agent-loop workers (``_init_reward_loop_workers``)
-_CPU_NODES = """
-import json, sys, ray
-ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
-print(json.dumps([n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]))
-"""
-_NODES = """
-import json, sys, ray
-ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
-print(json.dumps([n["NodeID"] for n in ray.nodes() if n["Alive"]]))
+cpus = float(sys.argv[4])
+held = [
+    RESERVED.options(
+        num_cpus=cpus, lifetime="detached", scheduling_strategy=NodeAffinitySchedulingStrategy(ids[ip], soft=False)
+    ).remote()
+    for ip in json.loads(sys.argv[3])
+]
+ray.get([actor.ready.remote() for actor in held])
+print(json.dumps({"ids": ids}))
 """
 
 
-def _driver(script: str, address: str) -> object:
-    import json
-
+def _driver(script: str, address: str, *args: str) -> object:
+    """Run ``script`` in a short-lived driver joined to the cluster; its last line of output, as JSON."""
     env = {**os.environ, **CLUSTER_ENV}  # the cluster's token, set when it started
-    done = subprocess.run([sys.executable, "-c", script, address], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-c", script, address, *args], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(done.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -255,14 +258,3 @@ def actors_by_node(address: str) -> dict[str, list[str]]:
     for name, node_id in _driver(_ACTORS, address):
         out.setdefault(node_id, []).append(name)
     return out
-
-
-def _new_node_id(address: str, known: set[str], timeout_s: float = 60) -> str:
-    """The id of the one alive node not in ``known`` (waits for it to register)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        new = set(_driver(_NODES, address)) - known
-        if len(new) == 1:
-            return new.pop()
-        time.sleep(1)
-    raise RuntimeError(f"no new node joined the Ray cluster at {address}")

@@ -101,7 +101,7 @@ def test_relay_over_s3_on_three_ray_nodes_survives_corruption_and_a_lost_node_re
         process, metrics_path, log = start_run(overrides, workdir)
         try:
             wait_for_step(process, metrics_path, 1, timeout_s=600)
-            # every worker node holds a sampler and nothing else (ray_nodes arranges it: see its docstring)
+            # a worker node that holds a sampler and nothing else (at least one: see ray_nodes' docstring)
             placed = actors_by_node(address)  # where Ray put what (placement does not change during the run)
             victims = [
                 n
@@ -110,7 +110,7 @@ def test_relay_over_s3_on_three_ray_nodes_survives_corruption_and_a_lost_node_re
                 and any("_server_" in name for name in placed.get(n.node_id, []))
                 and all(name.endswith(SAMPLER_ACTORS) or "_server_" in name for name in placed[n.node_id])
             ]
-            assert len(victims) == 2, placed
+            assert victims, placed
             victim = victims[0]
             (server,) = [name for name in placed[victim.node_id] if "_server_" in name]
             lost_group = int(server.split("_server_")[1].split("_")[0])  # one replica per group, numbered alike
