@@ -24,8 +24,7 @@ from safetensors.numpy import load as st_load
 
 _UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: safetensors' names of the dtypes a shard holds
-_SAFETENSORS_DTYPE = {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32"}
-_SAFETENSORS_DTYPE[np.dtype(np.uint64)] = "U64"
+_SAFETENSORS_DTYPE = {np.dtype(uint): f"U{8 * width}" for width, uint in _UINT_OF_WIDTH.items()}
 _TORCH_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _IDX, _MAP, _XOR, _TAIL = "|gaps", "|bitmap", "|xor", "|tail"
 

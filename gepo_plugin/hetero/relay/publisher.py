@@ -25,7 +25,7 @@ import torch
 from gepo_plugin.hetero.relay import codec
 from gepo_plugin.hetero.relay.manifest import Manifest, Shard
 from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.store import RelayStore
+from gepo_plugin.hetero.relay.store import RelayStore, pieces_nbytes
 
 logger = logging.getLogger(__name__)
 MANIFESTS, SHARDS = "manifests", "shards"
@@ -220,8 +220,7 @@ class RelayPublisher:
         if level > 0:
             pieces = [codec.compress(b"".join(pieces), level)]
         sha = self.store.put_addressed(SHARDS, pieces)
-        nbytes = sum(memoryview(piece).nbytes for piece in pieces)
-        return Shard(sha256=sha, nbytes=nbytes, compressed=level > 0, tensors=tuple(names))
+        return Shard(sha256=sha, nbytes=pieces_nbytes(pieces), compressed=level > 0, tensors=tuple(names))
 
     def _prune(self) -> None:
         with self._cv:

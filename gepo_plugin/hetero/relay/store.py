@@ -131,7 +131,7 @@ class RelayStore:
                 _write_pieces(self.fs, target, pieces)
 
         self._retried("write", key, write)
-        self.counters.add("bytes_written", sum(memoryview(piece).nbytes for piece in pieces))
+        self.counters.add("bytes_written", pieces_nbytes(pieces))
 
     def put_addressed(self, directory: str, pieces: Sequence[bytes | memoryview]) -> str:
         """Store the concatenation of ``pieces`` as ``directory/<its sha256>`` unless it is there; returns the sha256.
@@ -160,7 +160,7 @@ class RelayStore:
             hasher.join()
         sha = hashed[0]
         self._retried("write", f"{directory}/{sha}", lambda: self.fs.mv(partial, f"{folder}/{sha}"))
-        self.counters.add("bytes_written", sum(memoryview(piece).nbytes for piece in pieces))
+        self.counters.add("bytes_written", pieces_nbytes(pieces))
         return sha
 
     def get(self, key: str, link: Link | None = None) -> bytes:
@@ -235,6 +235,11 @@ class RelayStore:
 def _protocols(fs: Any) -> tuple[str, ...]:
     protocol = fs.protocol
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def pieces_nbytes(pieces: Sequence[bytes | memoryview]) -> int:
+    """The size of the object the pieces make."""
+    return sum(memoryview(piece).nbytes for piece in pieces)
 
 
 def _sha256(pieces: Sequence[bytes | memoryview]) -> str:
