@@ -14,7 +14,13 @@ from relay_fixtures import FAST_RETRY, Learner, train_and_publish
 from gepo_plugin.hetero.relay import codec
 from gepo_plugin.hetero.relay.link import Link, LinkConfig
 from gepo_plugin.hetero.relay.manifest import Manifest
-from gepo_plugin.hetero.relay.publisher import RelayPublisher, manifest_key, shard_key
+from gepo_plugin.hetero.relay.publisher import (
+    MANIFESTS,
+    RelayPublisher,
+    manifest_key,
+    parse_manifest_name,
+    shard_key,
+)
 from gepo_plugin.hetero.relay.puller import RelayIntegrityError, RelayPuller
 from gepo_plugin.hetero.relay.settings import RelayConfig
 from gepo_plugin.hetero.relay.store import RelayStore, RelayStoreError
@@ -253,12 +259,24 @@ def test_with_no_chain_left_the_learner_is_asked_for_a_keyframe(tmp_path: Path) 
         puller.pull(held)
     assert error.value.version == 2
     assert held.version == 1 and held.weights.equal(first)  # the failed pull installed nothing
+    # at once, without a new version (the learner may be waiting for this sampler's rollouts): version 2 again,
+    # with a keyframe, under a second manifest
     publisher.request_keyframe()
-    train_and_publish(learner, publisher, [3])
-    assert publisher.published[3].full is not None
+    publisher.wait()
+    assert publisher.published[2].full is not None and publisher.counters.get("keyframes_on_request") == 1
+    second = sorted(name for name in store.list(MANIFESTS) if parse_manifest_name(name)[0] == 2)
+    assert second == [f"0000000002-{publisher.lineage}{suffix}.json" for suffix in ("", ".k")]
     result = puller.pull(held)
-    assert result.steps[0] == (3, "full") and result.held.weights.equal(bits(learner.weights()))
+    assert result.steps == [(2, "full")] and result.held.weights.equal(bits(learner.weights()))
+    # the request is answered: the next version is a delta again, and the sampler follows the chain
+    train_and_publish(learner, publisher, [3])
+    assert publisher.published[3].full is None
+    result = puller.pull(result.held)
+    assert result.steps == [(3, "delta")] and result.held.weights.equal(bits(learner.weights()))
     publisher.close()
+    # a resumed run that discards version 2 and after deletes both of its manifests
+    RelayPublisher(store, "run", RelayConfig(keyframe_every=100), resume_from=1).close()
+    assert [parse_manifest_name(name)[0] for name in store.list(MANIFESTS)] == [1]
 
 
 # --- authenticity -----------------------------------------------------------------------------------------------

@@ -8,12 +8,20 @@ Shards are content-addressed (``shards/<sha256>``), the manifest goes last, so a
 complete. A publisher that starts on a store holding an earlier run's versions (a resume) discards any version
 newer than the one it resumes from and begins a new lineage with a keyframe.
 
+A keyframe a sampler asks for (:meth:`RelayPublisher.request_keyframe`: a stored shard stays corrupt) is published
+at once: the version published last gets a full keyframe beside its delta, under a second manifest of the same
+version and lineage (``<version>-<lineage>.k.json``; a puller takes a version's newest manifest). Waiting for the
+next version could wait for ever: the learner may itself be waiting for that sampler's rollouts. (A sampler asks
+until it has pulled the keyframe, so the next version usually carries one as well: one extra keyframe per
+corruption, against a hang.)
+
 Retention: :meth:`RelayPublisher.hold` tells it the oldest version a live sampler group holds; versions no sampler
 can still need (older than that and than the newest keyframe) and the shards only they use are deleted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -29,6 +37,8 @@ from gepo_plugin.hetero.relay.store import RelayStore, pieces_nbytes
 
 logger = logging.getLogger(__name__)
 MANIFESTS, SHARDS = "manifests", "shards"
+#: The lineage suffix in the name of a version's second manifest, the one that adds a requested keyframe.
+KEYFRAME_ON_REQUEST = ".k"
 
 
 def manifest_key(version: int, lineage: str) -> str:
@@ -61,6 +71,8 @@ class RelayPublisher:
         self.counters = store.counters
         self.lineage = uuid.uuid4().hex
         self.published: dict[int, Manifest] = {}
+        #: every manifest object of a version (its first publication, and the one adding a requested keyframe)
+        self._manifest_keys: dict[int, list[str]] = {}
         self._load_existing(resume_from)
         self._encoder = codec.DeltaEncoder()
         self._previous: codec.WeightBits | None = None
@@ -82,12 +94,17 @@ class RelayPublisher:
             if parsed is None:
                 continue
             version, lineage = parsed
+            key = manifest_key(version, lineage)
             if resume_from is not None and version > resume_from:
-                self.store.delete(manifest_key(version, lineage))  # a future the resumed run discards
-                self.counters.add("versions_discarded")
+                self.store.delete(key)  # a future the resumed run discards
+                if not lineage.endswith(KEYFRAME_ON_REQUEST):
+                    self.counters.add("versions_discarded")
                 continue
-            manifest = Manifest.from_json(self.store.get(manifest_key(version, lineage)).decode())
-            if manifest.run_id == self.run_id:
+            manifest = Manifest.from_json(self.store.get(key).decode())
+            if manifest.run_id != self.run_id:
+                continue
+            self._manifest_keys.setdefault(version, []).append(key)
+            if version not in self.published or manifest.published_at > self.published[version].published_at:
                 self.published[version] = manifest
 
     @property
@@ -115,9 +132,16 @@ class RelayPublisher:
         return seconds
 
     def request_keyframe(self) -> None:
-        """The next version is published with a full keyframe (a sampler found a stored shard corrupt)."""
+        """A sampler found a stored shard corrupt: publish a keyframe now (the version published last gets one), or
+        with the next version if none is published yet or one is queued."""
         with self._cv:
             self._keyframe_requested = True
+            self._cv.notify_all()
+
+    def _keyframe_due_now(self) -> bool:
+        """A keyframe was asked for, no newer version is queued, and the version published last has none."""
+        latest = self.published.get(self._previous_version) if self._previous_version is not None else None
+        return self._keyframe_requested and self._pending is None and latest is not None and latest.full is None
 
     def hold(self, oldest_held: int | None) -> None:
         """The oldest version any live sampler group holds (None: none holds any): older ones may be deleted."""
@@ -125,10 +149,10 @@ class RelayPublisher:
             self._oldest_held = oldest_held
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every queued version is published; re-raise a background failure."""
+        """Block until every queued version (and a requested keyframe) is published; re-raise a background failure."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while (self._pending is not None or self._busy) and self._error is None:
+            while (self._pending is not None or self._busy or self._keyframe_due_now()) and self._error is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError("the relay publisher did not finish in time")
@@ -148,15 +172,19 @@ class RelayPublisher:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while self._pending is None and not self._closed:
+                while self._pending is None and not self._closed and not self._keyframe_due_now():
                     self._cv.wait()
-                if self._pending is None:
+                if self._keyframe_due_now():
+                    work, version, bits = self._add_keyframe, self._previous_version, self._previous
+                    self._keyframe_requested = False
+                elif self._pending is not None:
+                    work, (version, bits) = self._publish_now, self._pending
+                    self._pending = None
+                else:
                     return
-                version, bits = self._pending
-                self._pending = None
                 self._busy = True
             try:
-                self._publish_now(version, bits)
+                work(version, bits)
                 self._prune()
             except BaseException as error:  # surfaced to the learner at its next publish or wait
                 logger.error("relay: publishing weight version %d failed: %s", version, error)
@@ -205,8 +233,10 @@ class RelayPublisher:
             changed=changed,
             published_at=time.time(),
         ).signed(self.secret)
-        self.store.put(manifest_key(version, self.lineage), manifest.to_json().encode())
+        key = manifest_key(version, self.lineage)
+        self.store.put(key, manifest.to_json().encode())
         self.published[version] = manifest
+        self._manifest_keys[version] = [key]
         self._previous, self._previous_version = bits, version
         if full:
             self._last_keyframe = version
@@ -214,6 +244,25 @@ class RelayPublisher:
         self.counters.add("versions_published")
         self.counters.add("publish_s", time.perf_counter() - started)
         self.counters.add("published_bytes", manifest.nbytes("full") + manifest.nbytes("delta"))
+
+    def _add_keyframe(self, version: int, bits: codec.WeightBits) -> None:
+        """Publish version ``version`` (the one published last, whose weights are ``bits``) again, with a keyframe."""
+        groups = codec.shard_names(bits.specs, self.settings.shard_bytes)
+        full = tuple(
+            self._put_shard(codec.encode_full(bits, names), names, self.settings.keyframe_zstd_level)
+            for names in groups
+        )
+        first = self.published[version]
+        manifest = dataclasses.replace(first, full=full, published_at=time.time(), signature=None).signed(self.secret)
+        key = manifest_key(version, self.lineage + KEYFRAME_ON_REQUEST)
+        self.store.put(key, manifest.to_json().encode())
+        self.published[version] = manifest
+        self._manifest_keys[version].append(key)
+        self._last_keyframe = version
+        self.counters.add("keyframes")
+        self.counters.add("keyframes_on_request")
+        self.counters.add("published_bytes", manifest.nbytes("full"))
+        logger.info("relay: a sampler asked for a keyframe: weight version %d published again with one", version)
 
     def _put_shard(self, pieces: codec.Pieces, names: list[str], level: int) -> Shard:
         """Store a shard under its sha256, hashed and written piece by piece (a keyframe is never copied whole)."""
@@ -233,7 +282,9 @@ class RelayPublisher:
         if not doomed:
             return
         for version in doomed:  # manifests first: no reader can see a version whose shards are going
-            self.store.delete(manifest_key(version, self.published.pop(version).lineage))
+            del self.published[version]
+            for key in self._manifest_keys.pop(version, []):
+                self.store.delete(key)
             self.counters.add("versions_deleted")
         live = {s.sha256 for m in self.published.values() for part in (m.full, m.delta) for s in part or ()}
         for name in self.store.list(SHARDS):
