@@ -145,13 +145,16 @@ def test_relay_over_s3_on_three_ray_nodes_survives_corruption_and_a_lost_node_re
         for step, m in metrics.items():
             check_gepo_hetero_step(step, m)
 
-        # the slow group lags because its bytes are slow: each of its pulls takes longer by about bytes / bandwidth
-        # (which version a group holds at a step depends also on when the learner's safe points fall: not asserted)
+        # the slow group lags because its bytes are slow: its pulls take at least what its link allows, and longer than
+        # the fast group's by a good part of bytes / bandwidth (not all of it: on 2 busy cores the fast group's pulls,
+        # which start as the learner publishes, wait for the CPU up to ~0.3 s longer; one CI run measured 0.42 s of
+        # 0.65 s); which version a group holds at a step depends also on when the learner's safe points fall: not
+        # asserted
         m = before_kill[KILL_AFTER]
         slow_bytes = m["hetero/sampler_group_0/relay_bytes"] / max(m["hetero/sampler_group_0/installs"], 1)
         link_s = slow_bytes * 8 / (SLOW_MBPS * 1e6)
         pull_slow, pull_fast = (m[f"hetero/sampler_group_{g}/pull_s_mean"] for g in (0, 1))
-        assert pull_slow - pull_fast >= 0.7 * link_s, (pull_slow, pull_fast, link_s)
+        assert pull_slow >= 0.9 * link_s and pull_slow - pull_fast >= 0.5 * link_s, (pull_slow, pull_fast, link_s)
 
         # the corrupted shard was detected, fetched again, and a keyframe got the samplers past it
         final = metrics[STEPS]
