@@ -216,53 +216,51 @@ class RelayPublisher:
                 raw, count = self._encoder.encode(previous, bits, names)
                 changed += count
                 delta_shards.append(self._put_shard([raw], names, self.settings.delta_zstd_level))
-        full_shards = None
-        if full:
-            full_shards = [
-                self._put_shard(codec.encode_full(bits, names), names, self.settings.keyframe_zstd_level)
-                for names in groups
-            ]
         manifest = Manifest(
             run_id=self.run_id,
             version=version,
             lineage=self.lineage,
             specs=dict(bits.specs),
-            full=tuple(full_shards) if full_shards is not None else None,
+            full=self._put_keyframe(version, bits, groups) if full else None,
             delta=tuple(delta_shards) if delta_shards is not None else None,
             base=self._previous_version if has_delta else None,
             changed=changed,
             published_at=time.time(),
-        ).signed(self.secret)
-        key = manifest_key(version, self.lineage)
-        self.store.put(key, manifest.to_json().encode())
-        self.published[version] = manifest
-        self._manifest_keys[version] = [key]
+        )
+        self._manifest_keys[version] = []
+        self._put_manifest(manifest, self.lineage)
         self._previous, self._previous_version = bits, version
-        if full:
-            self._last_keyframe = version
-            self.counters.add("keyframes")
         self.counters.add("versions_published")
         self.counters.add("publish_s", time.perf_counter() - started)
         self.counters.add("published_bytes", manifest.nbytes("full") + manifest.nbytes("delta"))
 
     def _add_keyframe(self, version: int, bits: codec.WeightBits) -> None:
         """Publish version ``version`` (the one published last, whose weights are ``bits``) again, with a keyframe."""
-        groups = codec.shard_names(bits.specs, self.settings.shard_bytes)
-        full = tuple(
-            self._put_shard(codec.encode_full(bits, names), names, self.settings.keyframe_zstd_level)
-            for names in groups
-        )
-        first = self.published[version]
-        manifest = dataclasses.replace(first, full=full, published_at=time.time(), signature=None).signed(self.secret)
-        key = manifest_key(version, self.lineage + KEYFRAME_ON_REQUEST)
-        self.store.put(key, manifest.to_json().encode())
-        self.published[version] = manifest
-        self._manifest_keys[version].append(key)
-        self._last_keyframe = version
-        self.counters.add("keyframes")
+        full = self._put_keyframe(version, bits, codec.shard_names(bits.specs, self.settings.shard_bytes))
+        manifest = dataclasses.replace(self.published[version], full=full, published_at=time.time(), signature=None)
+        self._put_manifest(manifest, self.lineage + KEYFRAME_ON_REQUEST)
         self.counters.add("keyframes_on_request")
         self.counters.add("published_bytes", manifest.nbytes("full"))
         logger.info("relay: a sampler asked for a keyframe: weight version %d published again with one", version)
+
+    def _put_keyframe(self, version: int, bits: codec.WeightBits, groups: list[list[str]]) -> tuple[Shard, ...]:
+        """Store ``version``'s full weights, one shard per group of tensor names."""
+        shards = tuple(
+            self._put_shard(codec.encode_full(bits, names), names, self.settings.keyframe_zstd_level)
+            for names in groups
+        )
+        self._last_keyframe = version
+        self.counters.add("keyframes")
+        return shards
+
+    def _put_manifest(self, manifest: Manifest, name_lineage: str) -> None:
+        """Sign and store a manifest as ``manifests/<version>-<name_lineage>.json`` (after its shards), and record
+        it as the version's newest publication."""
+        signed = manifest.signed(self.secret)
+        key = manifest_key(manifest.version, name_lineage)
+        self.store.put(key, signed.to_json().encode())
+        self.published[manifest.version] = signed
+        self._manifest_keys[manifest.version].append(key)
 
     def _put_shard(self, pieces: codec.Pieces, names: list[str], level: int) -> Shard:
         """Store a shard under its sha256, hashed and written piece by piece (a keyframe is never copied whole)."""
