@@ -17,6 +17,7 @@ def run(prompts: int = 4, responses: int = 4, micro_batches: int = 4, seed: int 
     from gepo_plugin.maths import group_log_expectation_from_tokens
     from gepo_plugin.synthetic import random_batch
     from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config
+    from gepo_plugin.verl_glue.losses import step_metrics
     from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
 
     if prompts < 1 or responses < 2 or micro_batches < 1:
@@ -38,7 +39,7 @@ def run(prompts: int = 4, responses: int = 4, micro_batches: int = 4, seed: int 
 
     def step(partition):
         logp = b.log_prob.clone().requires_grad_()
-        losses, metrics = [], None
+        losses, metrics = [], []
         for rows in partition:
             model_output, data = build_loss_inputs(
                 logp[rows],
@@ -51,10 +52,10 @@ def run(prompts: int = 4, responses: int = 4, micro_batches: int = 4, seed: int 
             )
             loss, m = ppo_loss_with_response_terms(config, model_output=model_output, data=data)
             losses.append(loss)
-            metrics = m if metrics is None else {k: metrics[k].extend(m[k]) or metrics[k] for k in metrics}
+            metrics.append(m)
         summed = torch.stack(losses).sum()
         summed.backward()
-        return summed.detach(), logp.grad, metrics
+        return summed.detach(), logp.grad, step_metrics(metrics)  # aggregated as verl's engine and trainer do
 
     whole_loss, whole_grad, _ = step([torch.arange(total)])
     split = torch.arange(total).chunk(micro_batches)
@@ -63,7 +64,7 @@ def run(prompts: int = 4, responses: int = 4, micro_batches: int = 4, seed: int 
     print(f"GEPO loss (whole batch) {whole_loss.item():+.6f} | summed over micro-batches {loss.item():+.6f}")
     for key in sorted(metrics):
         if key.startswith("actor/gepo/") or key in ("actor/pg_loss", "actor/pg_clipfrac"):
-            print(f"  {key:<32} {float(metrics[key].aggregate()):+.5f}")
+            print(f"  {key:<32} {metrics[key]:+.5f}")
     diff = (grad - whole_grad).abs().max().item()
     print(f"max |grad(micro-batches) - grad(whole batch)| = {diff:.2e}")
     if diff > 1e-5:

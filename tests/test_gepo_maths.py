@@ -211,11 +211,17 @@ def test_non_finite_values_in_padding_are_reported_as_corrupt_padding(batch):
         gepo_token_losses(**args)
 
 
-def test_all_masked_responses_are_rejected(batch):
+def test_a_micro_batch_without_any_response_token_gives_a_zero_loss_and_zero_totals(batch):
+    """verl's padding rows can fill a whole micro-batch: nothing to train on, nothing to report, no error."""
     args = _args(batch)
     args["response_mask"] = torch.zeros_like(args["response_mask"])
-    with pytest.raises(GEPOInputError, match="fully masked"):
-        gepo_token_losses(**args)
+    args["log_prob"] = args["log_prob"].clone().requires_grad_()
+    terms = gepo_token_losses(**args)
+    assert terms.metrics == {} and not terms.row_valid.any()
+    assert set(terms.totals.values()) == {0.0}
+    assert torch.count_nonzero(terms.token_losses) == 0
+    (grad,) = torch.autograd.grad(terms.token_losses.sum(), args["log_prob"])
+    assert torch.count_nonzero(grad) == 0
 
 
 def test_mismatched_shapes_are_rejected(batch):

@@ -13,6 +13,7 @@ from conftest import make_batch
 from gepo_plugin.maths import group_log_expectation_from_tokens
 from gepo_plugin.maths.gepo_plus import GEPOPlusRule
 from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config
+from gepo_plugin.verl_glue.losses import step_metrics
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
 
 SCATTERED = [[0, 5, 10, 15], [1, 6, 11, 12], [2, 7, 8, 13], [3, 4, 9, 14]]
@@ -109,9 +110,9 @@ def test_gepo_plus_through_verls_ppo_loss_matches_the_float64_reference_with_gro
     assert loss.dtype == torch.float64
     torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
-    # both denominators are in use, and the metric is the share on q_i (micro-batches of equal size: mean of means)
+    # both denominators are in use, and the metric is the share on q_i over the step's sequences
     assert 0 < sum(shares) < len(shares)
-    reported = sum(m["actor/gepo/own_denominator_frac"].aggregate() for m in metrics) / len(metrics)
+    reported = step_metrics(metrics)["actor/gepo/own_denominator_frac"]
     assert reported == pytest.approx(sum(shares) / len(shares), rel=1e-12)
 
 
@@ -127,7 +128,7 @@ def test_gepo_plus_is_neither_gepo_nor_gspo_and_becomes_each_at_the_threshold_ex
     torch.testing.assert_close(low_loss, gepo_loss, rtol=1e-12, atol=1e-14)
 
     high_loss, _, metrics = run_verl_micro_batches(gepo_plus_config("hard", 1e300), b, SCATTERED)
-    assert all(m["actor/gepo/own_denominator_frac"].aggregate() == 1.0 for m in metrics)
+    assert step_metrics(metrics)["actor/gepo/own_denominator_frac"] == 1.0
     # GSPO's seq-mean-token-mean loss with the sequence's own q_i: -min(w A, clip(w) A), w = p_i / q_i
     lengths = b.mask.sum(-1)
     w = torch.exp(((b.log_prob - b.old_log_prob) * b.mask).sum(-1) / lengths)

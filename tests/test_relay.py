@@ -137,7 +137,8 @@ def test_samplers_following_at_different_paces_hold_the_learners_exact_weights(t
     store = make_store(tmp_path)
     learner = Learner(lr=1e-3)
     publisher = RelayPublisher(store, "run-a", SETTINGS)
-    publisher.hold(0)  # keep every version: this test reads them all back
+    publisher.hold(0)  # a sampler holds version 0: retention still keeps only keyframe_every versions behind a keyframe
+    manifests = {}
     every, sometimes, late = RelayPuller(store, "run-a"), RelayPuller(store, "run-a"), RelayPuller(store, "run-a")
     held = {"every": None, "sometimes": None, "late": None}
     pulled = {"every": 0, "sometimes": 0, "late": 0}
@@ -147,6 +148,7 @@ def test_samplers_following_at_different_paces_hold_the_learners_exact_weights(t
         truth[version] = bits(learner.weights())
         publisher.publish(version, learner.weights())
         publisher.wait()
+        manifests[version] = publisher.published[version]
         for name, puller, due in (
             ("every", every, True),
             ("sometimes", sometimes, version % 7 == 0),
@@ -158,7 +160,6 @@ def test_samplers_following_at_different_paces_hold_the_learners_exact_weights(t
                 pulled[name] += result.nbytes
                 assert result.held.version == version
                 assert result.held.weights.equal(truth[version]), (name, version)
-    manifests = {v: publisher.published[v] for v in publisher.published}
     assert [v for v, m in manifests.items() if m.full is not None] == [1, 5, 9, 13, 17, 21, 25]
     assert all(m.delta is not None and m.base == v - 1 for v, m in manifests.items() if v > 1)
     # a chain follower never downloads a keyframe
@@ -171,22 +172,22 @@ def test_samplers_following_at_different_paces_hold_the_learners_exact_weights(t
 def test_the_plan_is_the_cheapest_complete_chain(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     learner, publisher = Learner(lr=1e-2), RelayPublisher(store, "run", SETTINGS)
-    publisher.hold(0)
     puller = RelayPuller(store, "run")
-    train_and_publish(learner, publisher, [1])
-    first = puller.pull(None).held
-    train_and_publish(learner, publisher, range(2, 15))
+    train_and_publish(learner, publisher, range(1, 10))
+    held = puller.pull(None).held  # version 9, a keyframe
+    publisher.hold(held.version)
+    train_and_publish(learner, publisher, range(10, 17))
     manifests = puller.refresh()
-    plan = puller.plan(first, 14)
+    plan = puller.plan(held, 16)
     cost = sum(m.nbytes(part) for m, part in plan)
-    # independently: every keyframe k in (1, 14] plus its deltas, or the deltas from 1
-    options = {"deltas": sum(manifests[v].nbytes("delta") for v in range(2, 15))}
-    for k in (5, 9, 13):
-        options[f"keyframe {k}"] = manifests[k].nbytes("full") + sum(
-            manifests[v].nbytes("delta") for v in range(k + 1, 15)
-        )
+    # independently: the deltas from 9, or keyframe 13 and its deltas (retention keeps versions 9 to 16)
+    assert sorted(manifests) == list(range(9, 17))
+    options = {
+        "deltas": sum(manifests[v].nbytes("delta") for v in range(10, 17)),
+        "keyframe 13": manifests[13].nbytes("full") + sum(manifests[v].nbytes("delta") for v in range(14, 17)),
+    }
     assert cost == min(options.values())
-    result = puller.pull(first)
+    result = puller.pull(held)
     assert result.nbytes == cost and result.held.weights.equal(bits(learner.weights()))
     publisher.close()
 
@@ -231,7 +232,8 @@ def test_a_corrupt_or_truncated_shard_is_fetched_again_then_planned_around(tmp_p
     (root / shard_key(broken.sha256)).write_bytes(b"\x00" * broken.nbytes)  # corrupt, same size
     result = puller.pull(held)
     assert result.held.weights.equal(bits(learner.weights()))
-    assert result.steps == [(2, "delta"), (5, "full"), (6, "delta")]  # fetched again, then around the bad delta
+    assert result.steps == [(5, "full"), (6, "delta")]  # fetched again, then planned around from what is held
+    assert puller.corrupt_shards == {broken.sha256}  # reported by address
     assert puller.counters.get("shards_corrupt") == puller.fetch_attempts
     train_and_publish(learner, publisher, range(7, 11))
     truncated = publisher.published[7].delta[-1]
@@ -265,7 +267,7 @@ def test_with_no_chain_left_the_learner_is_asked_for_a_keyframe(tmp_path: Path) 
     publisher.wait()
     assert publisher.published[2].full is not None and publisher.counters.get("keyframes_on_request") == 1
     second = sorted(name for name in store.list(MANIFESTS) if parse_manifest_name(name)[0] == 2)
-    assert second == [f"0000000002-{publisher.lineage}{suffix}.json" for suffix in ("", ".k")]
+    assert second == [f"0000000002-{publisher.lineage}{suffix}.json" for suffix in ("", ".k1")]
     result = puller.pull(held)
     assert result.steps == [(2, "full")] and result.held.weights.equal(bits(learner.weights()))
     # the request is answered: the next version is a delta again, and the sampler follows the chain

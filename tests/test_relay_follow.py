@@ -123,22 +123,23 @@ def test_the_book_holds_each_group_at_its_oldest_replica_and_measures_arrival_la
     assert book.oldest_held() == 2
 
 
-def test_a_store_that_keeps_failing_ends_in_a_clear_error_and_installs_nothing(tmp_path: Path) -> None:
+def test_a_store_that_cannot_work_any_more_ends_in_a_clear_error_at_once_and_installs_nothing(tmp_path: Path) -> None:
     root = tmp_path / "store"
     store = RelayStore(str(root), retry=FAST_RETRY)
     learner = Learner()
     publisher = RelayPublisher(store, "run", RelayConfig())
     train_and_publish(learner, publisher, [1])
     publisher.close()
-    follower = RelayFollower(RelayPuller(store, "run"), 0, 0, poll_s=0.01, max_consecutive_errors=3)
+    follower = RelayFollower(RelayPuller(store, "run"), 0, 0, poll_s=0.01, outage_s=600)
     follower.start()
     wait_for(lambda: follower.status().staged == 1)
     follower.take(1)
     moved = tmp_path / "gone"
     root.rename(moved)
-    root.write_text("the store's directory was replaced by a file")  # every read now fails
+    root.write_text("the store's directory was replaced by a file")  # every read now fails, and always will
     status = wait_for(lambda: (s := follower.status()).error and s)
-    assert str(root) in status.error and "failed 3 times" in status.error
-    assert status.staged is None and status.counters["store_errors"] >= 3 * 3
-    assert status.counters["pull_failures"] == 3
+    # a permanent error: not retried by the store, nor for the outage budget (which is 10 minutes here)
+    assert str(root) in status.error and "not retried" in status.error and "Fix:" in status.error
+    assert status.staged is None and status.counters["store_errors"] == 1 and "retries" not in status.counters
+    assert status.counters["pull_failures"] == 1
     follower.stop()

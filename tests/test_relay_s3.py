@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import time
 
 import pytest
+import torch
+from outage_proxy import OutageProxy
 from relay_fixtures import FAST_RETRY, Learner, s3_server, train_and_publish
+from test_relay_follow import wait_for
 
 from gepo_plugin.hetero.relay import codec
+from gepo_plugin.hetero.relay.follower import RelayFollower
 from gepo_plugin.hetero.relay.link import Link, LinkConfig
-from gepo_plugin.hetero.relay.publisher import RelayPublisher, shard_key
-from gepo_plugin.hetero.relay.puller import RelayPuller
+from gepo_plugin.hetero.relay.manifest import shard_key
+from gepo_plugin.hetero.relay.publisher import RelayPublisher
+from gepo_plugin.hetero.relay.puller import RelayIntegrityError, RelayPuller
 from gepo_plugin.hetero.relay.settings import RelayConfig
 from gepo_plugin.hetero.relay.store import RelayStore, RelayStoreError
+
+#: botocore options that make one failed request fail fast (its own retries would add tens of seconds per operation;
+#: the store's retries and the outage budget are what is tested)
+QUICK_FAILURE = {"config_kwargs": {"connect_timeout": 2, "read_timeout": 5, "retries": {"max_attempts": 1}}}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +95,147 @@ def test_an_unusable_bucket_or_endpoint_stops_with_the_url_and_the_fix(s3) -> No
     with pytest.raises(RelayStoreError, match=rf"s3://relay-bucket/x.*127\.0\.0\.1:{closed}|s3://relay-bucket/x"):
         RelayStore(f"{url}/x", unreachable, retry=FAST_RETRY).probe()
     RelayStore(f"{url}/fine", options, retry=FAST_RETRY).probe()
+
+
+def test_a_corrupt_object_at_an_address_a_keyframe_reuses_is_rewritten_before_the_request_is_answered(s3) -> None:
+    """An unchanged tensor alone in its shard keeps its address in every keyframe: on S3 an object that exists is
+    not uploaded again, so a corruption there would survive every keyframe unless the sampler's report rewrites it.
+    The newest version already carries a keyframe here, and the request is still answered."""
+    url, options = s3
+    store = RelayStore(f"{url}/reused", options, retry=FAST_RETRY)
+    frozen = torch.randn(128, 64).to(torch.bfloat16)  # 16 KiB, alone in its shard (shard_mb = 8 KiB)
+    publisher = RelayPublisher(store, "run", RelayConfig(keyframe_every=1, shard_mb=8 / 1024))
+    publisher.hold(0)
+    for version in (1, 2):
+        publisher.publish(version, {"frozen": frozen, "moving": torch.full((16,), float(version))})
+        publisher.wait()
+    (address,) = [s.sha256 for s in publisher.published[2].full if s.tensors == ("frozen",)]
+    assert address in {s.sha256 for s in publisher.published[1].full}  # reused
+    size = store.size(shard_key(address))
+    store.fs.pipe_file(store.path(shard_key(address)), b"\0" * size)  # corrupt in the bucket, same size
+    sampler = RelayPuller(RelayStore(f"{url}/reused", options, retry=FAST_RETRY), "run")
+    with pytest.raises(RelayIntegrityError):
+        sampler.pull(None)  # both keyframes hold the corrupt object: no plan
+    assert sampler.corrupt_shards == {address}
+    publisher.request_keyframe(sorted(sampler.corrupt_shards))  # what the learner passes on
+    publisher.wait()
+    assert publisher.counters.get("keyframes_on_request") == 1 and publisher.counters.get("shards_rewritten") == 1
+    assert publisher.published[2].rewritten == (address,)
+    held = sampler.pull(None).held
+    assert held.version == 2 and same_bits(held.weights.to_tensors()["frozen"], frozen)
+    assert not sampler.corrupt_shards
+    publisher.close()
+
+
+def test_an_existing_object_of_the_wrong_size_is_uploaded_again(s3) -> None:
+    url, options = s3
+    store = RelayStore(f"{url}/sized", options, retry=FAST_RETRY)
+    frozen = torch.randn(128, 64).to(torch.bfloat16)
+    publisher = RelayPublisher(store, "run", RelayConfig(keyframe_every=2, shard_mb=8 / 1024))
+    publisher.publish(1, {"frozen": frozen, "moving": torch.zeros(16)})
+    publisher.wait()
+    (address,) = [s.sha256 for s in publisher.published[1].full if s.tensors == ("frozen",)]
+    store.fs.pipe_file(store.path(shard_key(address)), b"truncated")
+    for version in (2, 3):  # version 3 carries the next keyframe, which reuses the address
+        publisher.publish(version, {"frozen": frozen, "moving": torch.full((16,), float(version))})
+        publisher.wait()
+    assert store.size(shard_key(address)) == next(s.nbytes for s in publisher.published[3].full if s.sha256 == address)
+    held = RelayPuller(RelayStore(f"{url}/sized", options, retry=FAST_RETRY), "run").pull(None).held
+    assert held.version == 3 and same_bits(held.weights.to_tensors()["frozen"], frozen)
+    publisher.close()
+
+
+def test_a_samplers_probe_fails_for_a_bucket_that_does_not_exist(s3, capsys) -> None:
+    from gepo_plugin import doctor
+
+    url, options = s3
+    with pytest.raises(RelayStoreError, match=r"s3://missing-bucket/x.*bucket 'missing-bucket' does not exist.*Fix"):
+        RelayStore("s3://missing-bucket/x", options, retry=FAST_RETRY).probe(write=False)
+    RelayStore(f"{url}/not-published-yet", options, retry=FAST_RETRY).probe(write=False)  # an empty prefix is fine
+    endpoint = json.dumps({"client_kwargs": options["client_kwargs"]})
+    problems = doctor._probe_relay("s3://missing-bucket/x", endpoint, write=False)
+    assert problems and "does not exist" in problems[0]
+    assert doctor._probe_relay(f"{url}/x", endpoint, write=False) == []
+
+
+def test_a_permanent_store_error_stops_publishing_at_once_with_the_fix(s3) -> None:
+    _, options = s3
+    store = RelayStore("s3://missing-bucket/run", options, retry=FAST_RETRY)
+    publisher = RelayPublisher(store, "run", RelayConfig(outage_s=600))
+    learner = Learner()
+    learner.step()
+    started = time.monotonic()
+    publisher.publish(1, learner.weights())
+    with pytest.raises(RuntimeError, match=r"missing-bucket.*permanent error.*not retried.*Fix: create the bucket"):
+        publisher.wait(timeout=60)
+    assert time.monotonic() - started < 30  # not the outage budget
+    assert store.counters.get("retries") == 0 and store.counters.get("publish_failures") == 1
+    with pytest.raises(RuntimeError, match="missing-bucket"):
+        publisher.publish(2, learner.weights())
+    publisher.close()
+
+
+def test_publishing_rides_out_a_store_outage_and_the_samplers_catch_up_exactly(s3) -> None:
+    """The store unreachable (every connection reset) for longer than a store operation's retries: the learner's
+    publish calls go on returning, the versions it could not publish are coalesced, and when the store is back the
+    newest is published and a sampler that kept polling through the outage holds it bit for bit."""
+    url, options = s3
+    endpoint = options["client_kwargs"]["endpoint_url"]
+    host, port = endpoint.removeprefix("http://").split(":")
+    proxy = OutageProxy(host, int(port))
+    flaky = {**options, "client_kwargs": {"endpoint_url": proxy.endpoint}, **QUICK_FAILURE}
+    store = RelayStore(f"{url}/outage", flaky, retry=FAST_RETRY)
+    publisher = RelayPublisher(store, "run", RelayConfig(keyframe_every=100, outage_s=120))
+    follower = RelayFollower(
+        RelayPuller(RelayStore(f"{url}/outage", flaky, retry=FAST_RETRY), "run"), 0, 0, poll_s=0.05, outage_s=120
+    )
+    learner = Learner(lr=1e-3)
+    try:
+        train_and_publish(learner, publisher, [1])
+        follower.start()
+        wait_for(lambda: follower.status().staged == 1)
+        proxy.cut()
+        started = time.monotonic()
+        for version in (2, 3, 4):  # the learner trains on; nothing raises
+            learner.step()
+            publisher.publish(version, learner.weights())
+            time.sleep(2.0)
+        wait_for(lambda: store.counters.get("publish_failures") >= 2, timeout_s=60)
+        assert publisher.in_outage and store.counters.get("store_errors") > FAST_RETRY.attempts  # past its retries
+        time.sleep(max(0.0, 8.0 - (time.monotonic() - started)))
+        proxy.restore()
+        publisher.wait(timeout=120)
+        assert not publisher.in_outage and max(publisher.published) == 4
+        # from the first failed publication (after the store's own retries) to the first that succeeded
+        assert store.counters.get("versions_coalesced") >= 1 and store.counters.get("outage_s") >= 4.0
+        status = wait_for(lambda: (s := follower.status()).staged == 4 and s, timeout_s=120)
+        assert status.error is None and status.counters.get("pull_failures", 0) >= 1  # it met the outage too
+        assert follower.take(4).equal(codec.WeightBits.from_tensors(learner.weights()))
+        assert proxy.resets > 0
+    finally:
+        follower.stop()
+        publisher.close()
+        proxy.close()
+
+
+def test_an_outage_longer_than_its_budget_stops_with_the_url_and_the_fix(s3) -> None:
+    url, options = s3
+    endpoint = options["client_kwargs"]["endpoint_url"]
+    host, port = endpoint.removeprefix("http://").split(":")
+    proxy = OutageProxy(host, int(port))
+    flaky = {**options, "client_kwargs": {"endpoint_url": proxy.endpoint}, **QUICK_FAILURE}
+    store = RelayStore(f"{url}/long-outage", flaky, retry=FAST_RETRY)
+    publisher = RelayPublisher(store, "run", RelayConfig(outage_s=4))
+    learner = Learner()
+    try:
+        train_and_publish(learner, publisher, [1])
+        proxy.cut()
+        learner.step()
+        publisher.publish(2, learner.weights())
+        with pytest.raises(RuntimeError, match=r"relay-bucket/long-outage.*longer than hetero\.relay\.outage_s=4.*Fix"):
+            publisher.wait(timeout=120)
+        with pytest.raises(RuntimeError, match="outage_s"):
+            publisher.publish(3, learner.weights())
+    finally:
+        publisher.close()
+        proxy.close()

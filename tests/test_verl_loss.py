@@ -8,6 +8,7 @@ from conftest import make_batch
 
 from gepo_plugin.maths import group_log_expectation_from_tokens
 from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config
+from gepo_plugin.verl_glue.losses import step_metrics
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
 
 BASE = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=2", "clip_ratio_low=0.2", "clip_ratio_high=0.2"]
@@ -20,7 +21,8 @@ def actor_config(*extra):
 def run_micro_batches(config, b, micro_batches, with_term=True):
     """Sum of gradients and losses over micro-batches, each through verl's ppo_loss as the engine calls it."""
     logp = b.log_prob.clone().requires_grad_()
-    log_eq = group_log_expectation_from_tokens(b.old_log_prob, b.mask, b.group_ids)  # trainer side: whole groups
+    # trainer side: whole groups; rows without a response token (verl's padding) get no term
+    log_eq = group_log_expectation_from_tokens(b.old_log_prob, b.mask, b.group_ids, valid=b.mask.sum(-1) > 0)
     total_tokens = int(b.mask.sum())
     losses, metrics = [], []
     for rows in micro_batches:
@@ -67,18 +69,56 @@ def test_micro_batch_scope_differs_from_the_per_prompt_group():
 
 
 def test_metrics_are_named_and_aggregated_for_verls_tracker():
+    import numpy as np
     from verl.utils.metric import AggregationType
 
-    b = make_batch(group_sizes=(4, 4), seed=4, spread=0.5)
-    _, _, metrics = run_micro_batches(actor_config(), b, [[0, 1, 2, 3], [4, 5, 6, 7]])
+    from gepo_plugin.maths import sequence_log_prob
+
+    b = make_batch(group_sizes=(4, 4, 4), seed=4, spread=0.5)
+    micro_batches = [[0, 1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11]]  # of unequal sizes
+    _, _, metrics = run_micro_batches(actor_config(), b, micro_batches)
     m = metrics[0]
-    for key in ("iw_mean", "iw_std", "iw_max", "iw_min", "ess", "clipfrac", "sampler_kl", "group_term_present"):
-        assert f"actor/gepo/{key}" in m
     assert m["actor/gepo/iw_max"].aggregation == AggregationType.MAX
     assert m["actor/gepo/iw_min"].aggregation == AggregationType.MIN
-    assert m["actor/gepo/iw_mean"].aggregation == AggregationType.MEAN
+    assert m["actor/gepo/step_totals/w_sum"].aggregation == AggregationType.SUM
     assert m["actor/gepo/group_term_present"].aggregate() == 1.0
     assert "actor/pg_loss" in m and "actor/pg_clipfrac" in m
+    # the step's statistics are exact over its sequences, not a mean of the micro-batches' means
+    step = step_metrics(metrics)
+    log_eq = group_log_expectation_from_tokens(b.old_log_prob, b.mask, b.group_ids)
+    w = np.exp((sequence_log_prob(b.log_prob, b.mask) - log_eq).numpy())
+    assert step["actor/gepo/iw_mean"] == pytest.approx(w.mean(), rel=1e-9)
+    assert step["actor/gepo/iw_std"] == pytest.approx(w.std(), rel=1e-6)
+    assert step["actor/gepo/ess"] == pytest.approx(w.sum() ** 2 / (len(w) * (w**2).sum()), rel=1e-9)
+    assert step["actor/gepo/iw_max"] == pytest.approx(w.max()) and step["actor/gepo/iw_min"] == pytest.approx(w.min())
+    means_of_means = np.mean([w[rows].mean() for rows in micro_batches])
+    assert abs(means_of_means - w.mean()) > 1e-6  # what verl's equal-weight mean would have reported
+    assert not any("step_totals" in key for key in step)
+
+
+def test_a_micro_batch_of_padding_rows_only_changes_no_statistic_and_no_loss():
+    import numpy as np
+
+    """verl's padding rows (no response token) can fill a micro-batch: the step's loss, gradient and statistics are
+    those of the real rows."""
+    from gepo_plugin.synthetic import SyntheticBatch
+
+    b = make_batch(group_sizes=(4, 4), seed=9, spread=0.4)
+    fields = ("log_prob", "old_log_prob", "advantages", "mask")
+    pad = {name: torch.zeros(2, b.mask.shape[1], dtype=getattr(b, name).dtype) for name in fields}
+    padded = SyntheticBatch(  # two rows as verl pads: a uid of their own, no response token; alone in a micro-batch
+        *(torch.cat([getattr(b, name), pad[name]]) for name in fields),
+        np.concatenate([b.group_ids, np.array(["pad0", "pad0"], dtype=object)]),
+    )
+    config = actor_config("loss_agg_mode=token-mean")
+    loss, grad, metrics = run_micro_batches(config, b, [[0, 1, 2, 3], [4, 5, 6, 7]])
+    padded_loss, padded_grad, padded_metrics = run_micro_batches(config, padded, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]])
+    torch.testing.assert_close(padded_loss, loss, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(padded_grad[:8], grad, rtol=1e-12, atol=1e-14)
+    assert torch.count_nonzero(padded_grad[8:]) == 0
+    assert step_metrics(padded_metrics) | {"actor/pg_clipfrac": 0, "actor/ppo_kl": 0} == pytest.approx(
+        step_metrics(metrics) | {"actor/pg_clipfrac": 0, "actor/ppo_kl": 0}, rel=1e-12
+    )
 
 
 def test_missing_group_term_raises_with_the_fix():
@@ -107,31 +147,6 @@ def test_kl_coefficient_from_config_reaches_the_loss():
     agg = "loss_agg_mode=seq-mean-token-mean"  # the paper's "token-mean then mean"
     base, _, _ = run_micro_batches(actor_config(agg), b, rows)
     with_kl, _, metrics = run_micro_batches(actor_config(agg, "policy_loss.sampler_kl_coef=0.5"), b, rows)
-    kl = metrics[0]["actor/gepo/sampler_kl"].aggregate()
+    kl = step_metrics(metrics)["actor/gepo/sampler_kl"]
     assert kl > 0
     assert float((with_kl - base).detach()) == pytest.approx(0.5 * kl, rel=1e-6)
-
-
-def test_the_trainers_group_term_leaves_padding_out_of_its_metrics_and_matches_the_closed_form():
-    """verl pads a batch with copies of sample 0 (same uid): they must not change the term or count as responses."""
-    import math
-
-    import numpy as np
-
-    from gepo_plugin.verl_glue.trainers import compute_group_terms
-
-    uids = np.array(["p", "q", "p", "r", "q", "p", "p"], dtype=object)  # the last row: padding copying row 0
-    is_padding = [False] * 6 + [True]
-    gen = torch.Generator().manual_seed(3)
-    old = -torch.rand(7, 5, generator=gen, dtype=torch.float64)
-    mask = torch.ones(7, 5, dtype=torch.float64)
-    mask[1, 3:] = 0
-    log_eq, metrics = compute_group_terms(uids, old, mask, is_padding)
-    seq = [float((old[i] * mask[i]).sum() / mask[i].sum()) for i in range(7)]
-    # E_hat_q[q] = sum q^2 / sum q over the group's real responses (GEPO's q-weighted expectation of q)
-    members = {g: [seq[i] for i in range(6) if uids[i] == g] for g in "pqr"}
-    expected = {g: math.log(sum(math.exp(2 * v) for v in m) / sum(math.exp(v) for v in m)) for g, m in members.items()}
-    for i in range(6):
-        assert float(log_eq[i]) == pytest.approx(expected[uids[i]], rel=1e-6)
-    assert metrics["gepo/num_groups"] == 3.0
-    assert metrics["gepo/group_size_mean"] == pytest.approx(6 / 3)

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from gepo_plugin.maths.gepo_metrics import gepo_metrics, step_totals
 from gepo_plugin.maths.gepo_plus import GEPOPlusRule
-from gepo_plugin.maths.groups import GroupIndex, segment_logsumexp
+from gepo_plugin.maths.groups import GroupIndex, segment_logsumexp, segment_sum
 from gepo_plugin.maths.options import GEPO_DEFAULTS, MAX_LOG_RATIO_CAP
 
 
@@ -95,12 +96,6 @@ def validate_shapes(
         raise GEPOInputError(f"expected four [batch, response_len] tensors of one shape, got {shapes}")
 
 
-ALL_MASKED = (
-    "every response is fully masked (response_mask is all zero): there is no token to train on. "
-    "Check that responses were generated and that response_mask marks them."
-)
-
-
 def sequence_log_prob(token_log_probs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Length-normalised sequence log-prob ``(1/|y|) sum_t log p_t`` -> ``[B]``.
 
@@ -123,7 +118,8 @@ def group_log_expectation(
         seq_log_q: ``[B]`` length-normalised sampler log-probs (:func:`sequence_log_prob`).
         group_index: the prompt group of every row.
         valid: ``[B]`` bool; rows set False (e.g. verl's padding rows) are left out of every
-            group's sums and receive 0. A group without any valid row is an error.
+            group's sums and receive 0. A group without any valid row (verl's padding rows share one
+            uid of their own) has no expectation: its rows receive 0 and carry no weight in the loss.
     """
     if seq_log_q.dim() != 1 or seq_log_q.shape[0] != group_index.inverse.shape[0]:
         raise GEPOInputError(
@@ -138,11 +134,9 @@ def group_log_expectation(
     lse_2s = segment_logsumexp(2.0 * s, group_index, valid)
     lse_s = segment_logsumexp(s, group_index, valid)
     per_group = lse_2s - lse_s
-    if not bool(torch.isfinite(per_group).all()):
-        raise GEPOInputError(
-            "a group has no valid response (all of its rows are padding or empty): "
-            "GEPO's group expectation is undefined for it"
-        )
+    has_valid = segment_sum(valid.to(s.dtype), group_index) > 0
+    if not bool(torch.isfinite(per_group[has_valid]).all()):
+        raise GEPOInputError("GEPO's group expectation overflowed for a group with valid responses")
     return torch.where(valid, per_group[group_index.inverse], torch.zeros_like(s))
 
 
@@ -195,6 +189,9 @@ class GEPOLossTerms:
     row_valid: torch.Tensor | None = None
     #: detached per-sequence ``log(p_i / q_i)`` (length-normalised), 0 on-policy: staleness's own measure
     log_seq_ratios: torch.Tensor | None = None
+    #: additive totals over the non-empty sequences (:func:`~gepo_plugin.maths.gepo_metrics.step_totals`): what a
+    #: training step's exact statistics are made of
+    totals: dict[str, float] | None = None
 
 
 def k3_kl(log_prob: torch.Tensor, sampler_log_prob: torch.Tensor) -> torch.Tensor:
@@ -257,7 +254,7 @@ def gepo_token_losses(
     lengths = fmask.sum(dim=-1)
     row_valid = lengths > 0
     if not bool(row_valid.any()):
-        raise GEPOInputError(ALL_MASKED)
+        return _no_sequence(log_prob, dtype, row_valid, log_ratio_cap, plus)
     logp = log_prob.to(dtype)
     logq = old_log_prob.to(dtype)
     adv = advantages.to(dtype)
@@ -304,6 +301,7 @@ def gepo_token_losses(
         metrics = gepo_metrics(log_w, log_ratio_cap, lengths, row_valid, clipped_tokens, seq_kl, seq_neg_log_ratio)
         if own_share is not None:
             metrics["own_denominator_frac"] = own_share[row_valid].double().mean()
+        totals = step_totals(log_w, log_ratio_cap, lengths, row_valid, clipped_tokens, seq_kl, own_share)
     capped = torch.clamp(log_w, max=log_ratio_cap)
     log_seq_ratios = -seq_neg_log_ratio / lengths.clamp(min=1)
     return GEPOLossTerms(
@@ -312,47 +310,23 @@ def gepo_token_losses(
         log_weights=capped,
         row_valid=row_valid,
         log_seq_ratios=log_seq_ratios,
+        totals=totals,
     )
 
 
-@torch.no_grad()
-def gepo_metrics(
-    log_w: torch.Tensor,
-    log_ratio_cap: float,
-    lengths: torch.Tensor,
-    row_valid: torch.Tensor,
-    clipped_tokens: torch.Tensor,
-    seq_kl_sum: torch.Tensor,
-    seq_neg_log_ratio_sum: torch.Tensor,
-) -> dict[str, torch.Tensor]:
-    """Importance-weight statistics over the non-empty sequences of one batch, from ``[B]`` sums.
-
-    ``iw_*`` and ``ess`` describe the weight the loss actually uses, ``w = exp(min(log w, log_ratio_cap))``,
-    and are computed from log-sum-exps in float64, so they stay finite however far the raw weights run
-    (``log_ratio_cap`` is at most :data:`MAX_LOG_RATIO_CAP`). ``log_ratio_cap_frac`` is the share of
-    sequences whose raw weight the cap replaced (the cap changes their gradient), and ``log_iw_max`` the
-    largest raw ``log w``, so a binding cap is visible.
-    """
-    raw = log_w.detach()[row_valid].double()
-    capped = torch.clamp(raw, max=log_ratio_cap)
-    n = raw.numel()
-    log_n = torch.log(torch.tensor(float(n), dtype=torch.float64))
-    log_mean = torch.logsumexp(capped, 0) - log_n
-    log_second = torch.logsumexp(2 * capped, 0) - log_n
-    mean = torch.exp(log_mean)
-    # Var = E[w^2] - E[w]^2 = E[w]^2 (exp(log E[w^2] - 2 log E[w]) - 1), without cancelling large numbers
-    variance = mean**2 * torch.expm1((log_second - 2 * log_mean).clamp(min=0))
-    total_tokens = lengths.sum()
-    return {
-        "iw_mean": mean,
-        "iw_std": torch.sqrt(variance) if n > 1 else torch.zeros((), dtype=torch.float64),
-        "iw_max": torch.exp(capped.max()),
-        "iw_min": torch.exp(capped.min()),
-        "ess": torch.exp(2 * log_mean - log_second),
-        "log_iw_max": raw.max(),
-        "log_ratio_cap_frac": (raw > log_ratio_cap).double().mean(),
-        "clipfrac": (clipped_tokens[row_valid] > 0).double().mean(),
-        "token_clipfrac": clipped_tokens.sum() / total_tokens,
-        "sampler_kl": (seq_kl_sum[row_valid] / lengths[row_valid]).mean(),
-        "ppo_kl": seq_neg_log_ratio_sum.sum() / total_tokens,
-    }
+def _no_sequence(
+    log_prob: torch.Tensor, dtype: torch.dtype, row_valid: torch.Tensor, log_ratio_cap: float, plus
+) -> GEPOLossTerms:
+    """A micro-batch without a single response token (verl's padding rows can fill one): a zero loss that still
+    reaches every parameter's gradient (as 0), no statistics, zero totals."""
+    logp = log_prob.to(dtype)
+    zeros = torch.zeros(log_prob.shape[0], dtype=dtype, device=log_prob.device)
+    totals = step_totals(zeros, log_ratio_cap, zeros, row_valid, zeros, zeros, zeros if plus is not None else None)
+    return GEPOLossTerms(
+        token_losses=(logp - logp.detach()) * 0.0,
+        metrics={},
+        log_weights=zeros,
+        row_valid=row_valid,
+        log_seq_ratios=zeros,
+        totals=totals,
+    )

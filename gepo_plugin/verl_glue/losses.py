@@ -5,10 +5,20 @@ The maths is :func:`gepo_plugin.maths.gepo_token_losses` (GEPO+'s denominator ru
 calling convention, reads the trainer-computed group term, aggregates with verl's
 ``agg_loss`` (so the loss is invariant to data-parallel size and micro-batch split) and names
 the metrics for verl's tracker.
+
+The weight statistics that are means over sequences (``iw_mean``, ``iw_std``, ``ess``, ``clipfrac``, ...) are
+reported as additive totals (``actor/gepo/step_totals/*``, summed over micro-batches and ranks) and turned into the
+step's exact means by :func:`finalize_gepo_metrics`, which the plugin's trainers call after verl's actor update:
+verl would average per-micro-batch means with equal weight, and a micro-batch made only of verl's padding rows has
+no mean at all (:mod:`gepo_plugin.maths.gepo_metrics`). ``iw_max``, ``iw_min`` and ``log_iw_max`` aggregate as MAX/MIN;
+such a micro-batch reports a value that never wins.
 """
 
 from __future__ import annotations
 
+import math
+import sys
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -16,6 +26,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
 from gepo_plugin.hetero.lag_buckets import BY_LAG, IS_BY_LAG, weight_sums_by_lag
 from gepo_plugin.maths import GroupIndex, gepo_token_losses, group_log_expectation, sequence_log_prob
+from gepo_plugin.maths.gepo_metrics import STEP_STATISTICS, STEP_TOTALS, TOTALS, stats_from_totals
 from gepo_plugin.maths.gepo_plus import GEPOPlusRule
 from gepo_plugin.verl_glue.config import gepo_options
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, RESPONSE_LAG, current_response_terms
@@ -145,17 +156,19 @@ def _gepo_family_loss(
         loss_mat=token_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
     )
     m = {key: float(value) for key, value in terms.metrics.items()}
+    empty = not m  # verl's padding rows only: no sequence, a zero loss
     metrics: dict[str, Any] = {
-        "actor/pg_clipfrac": m["token_clipfrac"],
-        "actor/ppo_kl": m["ppo_kl"],
+        "actor/pg_clipfrac": m.get("token_clipfrac", 0.0),
+        "actor/ppo_kl": m.get("ppo_kl", 0.0),
         "actor/pg_clipfrac_lower": 0.0,
+        # MAX / MIN over micro-batches: a micro-batch without sequences reports a value that never wins
+        f"{METRIC_PREFIX}iw_max": 0.0 if empty else m["iw_max"],
+        f"{METRIC_PREFIX}iw_min": math.exp(options.log_ratio_cap) if empty else m["iw_min"],
+        f"{METRIC_PREFIX}log_iw_max": -sys.float_info.max if empty else m["log_iw_max"],
     }
-    for key in ("iw_mean", "iw_std", "iw_max", "iw_min", "ess", "log_iw_max", "log_ratio_cap_frac"):
-        metrics[f"{METRIC_PREFIX}{key}"] = m[key]
-    metrics[f"{METRIC_PREFIX}clipfrac"] = m["clipfrac"]
-    metrics[f"{METRIC_PREFIX}sampler_kl"] = m["sampler_kl"]
-    if plus:
-        metrics[f"{METRIC_PREFIX}own_denominator_frac"] = m["own_denominator_frac"]
+    for name in TOTALS:
+        if plus or name != "own_sum":
+            metrics[f"{METRIC_PREFIX}{STEP_TOTALS}{name}"] = terms.totals[name]
     metrics[f"{METRIC_PREFIX}group_term_present"] = 1.0 if group_scope == "prompt" else 0.0
     lags = current_response_terms().get(RESPONSE_LAG)
     if lags is not None and terms.log_weights is not None:
@@ -168,3 +181,33 @@ def _gepo_family_loss(
                 for field, value in entry.items():
                     metrics[f"{METRIC_PREFIX}{segment}{label}/{field}"] = value
     return pg_loss, metrics
+
+
+def finalize_gepo_metrics(metrics: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Replace a step's ``actor/gepo/step_totals/*`` by the step's exact means (``actor/gepo/iw_mean``, ``iw_std``,
+    ``ess``, ``clipfrac``, ``log_ratio_cap_frac``, ``sampler_kl``, and GEPO+'s ``own_denominator_frac``). In place."""
+    prefix = METRIC_PREFIX + STEP_TOTALS
+    totals = {key.removeprefix(prefix): float(metrics.pop(key)) for key in [k for k in metrics if k.startswith(prefix)]}
+    if not totals:
+        return metrics
+    for name, value in stats_from_totals(totals).items():
+        if name in STEP_STATISTICS and (name != "own_denominator_frac" or "own_sum" in totals):
+            metrics[METRIC_PREFIX + name] = value
+    return metrics
+
+
+def step_metrics(micro_batches: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """One rank's metrics of a mini-batch from its micro-batches' metric dicts, aggregated as verl's engine does
+    (each verl ``Metric`` by its own aggregation, plain values as a mean), then finalised
+    (:func:`finalize_gepo_metrics`): for the demo, tests and benchmarks that drive ``ppo_loss`` themselves."""
+    from verl.utils.metric import Metric
+
+    merged: dict[str, Any] = {}
+    for metrics in micro_batches:
+        for key, value in metrics.items():
+            if isinstance(value, Metric):
+                merged.setdefault(key, Metric(value.aggregation)).extend(value)
+            else:
+                merged.setdefault(key, []).append(float(value))
+    reduced = {key: float(v.aggregate() if isinstance(v, Metric) else sum(v) / len(v)) for key, v in merged.items()}
+    return dict(finalize_gepo_metrics(reduced))

@@ -74,15 +74,17 @@ def _rewrapped(metric, aggregation):
 def _fix_metric_aggregation(metrics: dict) -> dict:
     """verl wraps every policy-loss metric as a MEAN over micro-batches. A ``*_max`` / ``*_min`` statistic must
     aggregate as MAX / MIN instead, or it would report a mean of maxima; the by-lag totals
-    (:mod:`gepo_plugin.hetero.lag_buckets`) as SUM, so every mini-batch carries the same scale (1 / dp size)."""
+    (:mod:`gepo_plugin.hetero.lag_buckets`) and the step totals (:mod:`gepo_plugin.maths.gepo_metrics`) as SUM, so
+    every mini-batch carries the same scale (1 / dp size)."""
     from verl.utils.metric import AggregationType, Metric
 
     from gepo_plugin.hetero.lag_buckets import BY_LAG_SEGMENTS
+    from gepo_plugin.maths.gepo_metrics import STEP_TOTALS
 
     for key, value in list(metrics.items()):
         if not key.startswith("actor/gepo/") or not isinstance(value, Metric):
             continue
-        if any(segment in key for segment in BY_LAG_SEGMENTS):
+        if any(segment in key for segment in (*BY_LAG_SEGMENTS, STEP_TOTALS)):
             metrics[key] = _rewrapped(value, AggregationType.SUM)
         elif key.endswith("_max"):
             metrics[key] = _rewrapped(value, AggregationType.MAX)

@@ -111,8 +111,8 @@ CONTACTS: tuple[Contact, ...] = (
     Contact(
         _TRAINER,
         "PPOTrainer._update_actor",
-        ("hetero",),
-        "override: finalise the by-lag weight statistics",
+        ("group_term", "hetero"),
+        "override: finalise the step's GEPO weight statistics and the by-lag ones from their totals",
         ("self", "batch", "metrics"),
     ),
     Contact(_TRAINER, "PPOTrainer._save_checkpoint", ("hetero",), "override: save hetero.json beside", ("self",)),

@@ -30,6 +30,7 @@ from gepo_plugin.maths import GroupIndex, group_log_expectation_from_tokens
 from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
 from gepo_plugin.verl_glue.hetero.trainer import HeteroMixin
+from gepo_plugin.verl_glue.losses import finalize_gepo_metrics
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,11 @@ class ResponseTermsMixin(AdvantageFieldsMixin):
         actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
         self.actor_rollout_wg.set_loss_fn(partial(ppo_loss_with_response_terms, config=actor_config))
         logger.info("gepo-plugin: per-sample term loss installed on actor workers")
+
+    def _update_actor(self, batch, metrics: dict):
+        batch = super()._update_actor(batch, metrics=metrics)
+        finalize_gepo_metrics(metrics)  # the step's exact means from the loss's totals
+        return batch
 
     def _advantage_reads(self) -> frozenset[str]:
         return super()._advantage_reads() | {"uid", "old_log_probs", "response_mask"}

@@ -8,6 +8,10 @@ mantissa bits of a few elements, so most bytes of the XORs are zero and zstd shr
 safetensors files (numpy arrays); the tensors' dtypes and shapes travel in the manifest. They are written as a list
 of pieces (the header, then each array's memory in place) because safetensors' ``save`` assembles the whole file in
 memory, several copies of a keyframe; they are read with safetensors' ``load``, which validates the header.
+
+A digest (xxHash3, 128 bits, of a tensor's bits; about 9 GB/s on one core here, against about 1.5 GB/s for sha256)
+says which weights a version is, independently of the path they took: the manifest carries one per tensor, and a
+sampler checks the weights it is about to install against them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 import zstandard
 from safetensors.numpy import load as st_load
 
@@ -86,9 +91,18 @@ class WeightBits:
     def elements(self) -> int:
         return sum(array.size for array in self.bits.values())
 
+    def digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """Per tensor (all, or ``names``), the xxHash3-128 of its bits (:func:`digest`)."""
+        return {name: digest(self.bits[name]) for name in (self.specs if names is None else names)}
+
     def equal(self, other: WeightBits) -> bool:
         """Bit-identical, with the same names, dtypes and shapes."""
         return self.specs == other.specs and all(np.array_equal(self.bits[n], other.bits[n]) for n in self.specs)
+
+
+def digest(bits: np.ndarray) -> str:
+    """xxHash3-128 (hex) of an array's memory: a tensor's identity, bit for bit, at memory speed."""
+    return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(bits)).cast("B"))
 
 
 def shard_names(specs: Mapping[str, TensorSpec], max_bytes: int) -> list[list[str]]:
@@ -189,9 +203,25 @@ def encode_delta(old: WeightBits, new: WeightBits, names: Iterable[str]) -> tupl
     return DeltaEncoder().encode(old, new, names)
 
 
-def apply_delta(weights: WeightBits, data: bytes) -> None:
-    """Apply a delta shard to ``weights`` in place (the caller applies a version only once it is verified)."""
-    arrays = st_load(data)
+@dataclass(frozen=True)
+class Delta:
+    """A delta shard, read: the arrays it stores (validated by safetensors), and the tensors it changes."""
+
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def tensors(self) -> list[str]:
+        return [key[: -len(_XOR)] for key in self.arrays if key.endswith(_XOR)]
+
+
+def read_delta(data: bytes) -> Delta:
+    return Delta(st_load(data))
+
+
+def apply_delta(weights: WeightBits, data: bytes | Delta) -> None:
+    """Apply a delta shard to ``weights`` in place. The caller applies into weights it owns (a sampler: a staging
+    copy of the tensors the delta changes, :attr:`Delta.tensors`), so a failure half-way never touches held weights."""
+    arrays = (data if isinstance(data, Delta) else read_delta(data)).arrays
     for key, values in arrays.items():
         if not key.endswith(_XOR):
             continue

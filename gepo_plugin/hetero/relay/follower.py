@@ -1,12 +1,17 @@
 """A sampler replica's background puller: it follows the newest version and stages it until it is installed.
 
 The follower pulls in its own thread, so a sampler keeps generating with the weights it has while the next version
-crosses its link. A completed pull is *staged*: a copy that stays unchanged until the learner installs it at a safe
-point (the pull goes on into the follower's working copy meanwhile), and a :class:`Receipt` saying when it arrived
-and what it cost. The two newest staged versions are kept, so the version the learner saw in a status is still there
-when it asks to install it, even if a newer one landed in between; installing one drops it and every older one.
-Store errors are retried with back-off and counted; a chain that no longer exists in the store (corrupt shards) is
-reported as ``keyframe_needed``, and the learner publishes one.
+crosses its link. A completed pull is *staged*: the pulled version, verified against its digests, which nothing
+writes afterwards (a pull never writes the weights it starts from; it stages the tensors it changes), until the
+learner installs it at a safe point, and a :class:`Receipt` saying when it arrived and what it cost. The two newest
+staged versions are kept, so the version the learner saw in a status is still there when it asks to install it,
+even if a newer one landed in between; installing one drops it and every older one.
+
+Store errors are retried with back-off and counted for up to ``outage_s`` seconds of failing in a row (the store's
+outage budget, ``hetero.relay.outage_s``); past it, or at once for a permanent error, the follower reports a fatal
+error and the learner stops the run with it. A chain that no longer exists in the store (corrupt shards, a result
+that failed its digest) is reported as ``keyframe_needed``, with the corrupt shard addresses, and the learner
+publishes one.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 
 from gepo_plugin.hetero.relay.codec import WeightBits
 from gepo_plugin.hetero.relay.puller import Held, RelayIntegrityError, RelayPuller
+from gepo_plugin.hetero.relay.store import RelayStoreError
 
 logger = logging.getLogger(__name__)
 #: staged versions kept for installation (the newest two)
@@ -45,6 +51,8 @@ class FollowerStatus:
     keyframe_needed: int | None
     counters: dict[str, float]
     error: str | None
+    #: shard addresses this replica found corrupt (the publisher writes them again when it answers)
+    corrupt_shards: tuple[str, ...] = ()
 
 
 class RelayFollower:
@@ -56,11 +64,11 @@ class RelayFollower:
         group: int,
         replica: int,
         poll_s: float = 0.5,
-        max_consecutive_errors: int = 20,
+        outage_s: float = 600.0,
         clock=time.time,
     ) -> None:
         self.puller, self.group, self.replica = puller, group, replica
-        self.poll_s, self.max_consecutive_errors, self.clock = poll_s, max_consecutive_errors, clock
+        self.poll_s, self.outage_s, self.clock = poll_s, outage_s, clock
         self._held: Held | None = None
         self._staged: dict[int, WeightBits] = {}
         self._receipts: list[Receipt] = []
@@ -83,7 +91,12 @@ class RelayFollower:
             receipts, self._receipts = self._receipts, []
             staged = max(self._staged, default=None)
             return FollowerStatus(
-                receipts, staged, self._keyframe_needed, self.puller.counters.metrics(""), self._error
+                receipts,
+                staged,
+                self._keyframe_needed,
+                self.puller.counters.metrics(""),
+                self._error,
+                tuple(sorted(self.puller.corrupt_shards)),
             )
 
     def take(self, version: int) -> WeightBits:
@@ -97,35 +110,39 @@ class RelayFollower:
             return weights
 
     def _run(self) -> None:
+        failing_since: float | None = None
         failures = 0
         while not self._stop.is_set():
             try:
                 result = self.puller.pull(self._held)
-                failures = 0
+                failing_since, failures = None, 0
             except RelayIntegrityError as error:
                 with self._lock:
                     self._keyframe_needed = error.version
                 self._stop.wait(self.poll_s)
                 continue
             except Exception as error:  # the store: retried by the store first; here counted, then fatal
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
                 failures += 1
                 self.puller.counters.add("pull_failures")
                 logger.warning("relay: replica %d of group %d could not pull: %s", self.replica, self.group, error)
-                if failures >= self.max_consecutive_errors:
+                permanent = isinstance(error, RelayStoreError) and error.permanent
+                if permanent or now - failing_since >= self.outage_s:
+                    why = "" if permanent else f" (failing for {now - failing_since:.0f} s, hetero.relay.outage_s)"
                     with self._lock:
-                        self._error = f"{type(error).__name__}: {error}"
+                        self._error = f"{type(error).__name__}: {error}{why}"
                     return
-                self._stop.wait(min(self.poll_s * 2**failures, 30.0))
+                self._stop.wait(min(self.poll_s * 2 ** min(failures, 10), 30.0, self.outage_s))
                 continue
             if result is None:
                 self._stop.wait(self.poll_s)
                 continue
-            self._held = result.held
-            staged = result.held.weights.copy()  # the working copy goes on changing with the next pull
+            self._held = result.held  # a new object: the next pull stages its own copies, so this one stays as is
             with self._lock:
                 if self._keyframe_needed is not None and result.held.version >= self._keyframe_needed:
                     self._keyframe_needed = None
-                self._staged[result.held.version] = staged
+                self._staged[result.held.version] = result.held.weights
                 for old in sorted(self._staged)[:-STAGED_KEPT]:
                     del self._staged[old]
                 self._receipts.append(

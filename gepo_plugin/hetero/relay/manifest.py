@@ -8,6 +8,15 @@ publisher's life): after a resume, versions are numbered again from the checkpoi
 abandoned future must take a keyframe instead of a delta that would silently give it wrong weights. A sampler
 checks the run id, and with a shared secret the HMAC-SHA256 over the manifest's canonical JSON, before it reads a
 shard.
+
+Every manifest also carries a digest (xxHash3, 128 bits) of each tensor's bits in the version's full weights: a
+sampler checks the weights it is about to install against them, so a codec or apply bug, or a shard that is
+intact but of the wrong content, is caught before anything is installed, whatever path the weights took. A version
+published again with a keyframe a sampler asked for names the shard addresses it rewrote (``rewritten``): a sampler
+that found them corrupt may trust them again.
+
+The store's layout is named here, for the writer and every reader: ``manifests/<version>-<lineage>.json`` (and
+``<version>-<lineage>.k<n>.json`` for a version published again with a keyframe on request), ``shards/<sha256>``.
 """
 
 from __future__ import annotations
@@ -20,12 +29,37 @@ from typing import Any, Literal
 
 from gepo_plugin.hetero.relay.codec import TensorSpec
 
-FORMAT = 1
+FORMAT = 2
 Part = Literal["full", "delta"]
+MANIFESTS, SHARDS = "manifests", "shards"
+#: The lineage suffix in the name of a version's further manifests, those that add a requested keyframe
+#: (``.k1``, ``.k2``, ...: every answer to a request is a new object, which a sampler reads as new).
+KEYFRAME_ON_REQUEST = ".k"
+
+
+def manifest_key(version: int, lineage: str) -> str:
+    """A version's manifest; the lineage in the name makes a resumed run's version a new object."""
+    return f"{MANIFESTS}/{version:010d}-{lineage}.json"
+
+
+def shard_key(sha256: str) -> str:
+    return f"{SHARDS}/{sha256}"
+
+
+def parse_manifest_name(name: str) -> tuple[int, str] | None:
+    """(version, lineage as named: with its keyframe-on-request suffix) of a manifest's file name; None for
+    anything else."""
+    version, _, lineage = name.removesuffix(".json").partition("-")
+    return (int(version), lineage) if name.endswith(".json") and version.isdigit() and lineage else None
 
 
 class RelayAuthError(RuntimeError):
     """A manifest from another run, unsigned where a secret is configured, or with a signature that fails."""
+
+
+class ManifestFormatError(ValueError):
+    """A manifest that cannot be read as one: not JSON, truncated, fields missing or of the wrong kind, or another
+    format."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +85,10 @@ class Manifest:
     base: int | None = None
     changed: int | None = None
     published_at: float = 0.0
+    #: per tensor, xxHash3-128 (hex) of its bits in this version's full weights
+    digests: dict[str, str] = field(default_factory=dict)
+    #: shard addresses this publication wrote again because a sampler found them corrupt
+    rewritten: tuple[str, ...] = ()
     signature: str | None = field(default=None, compare=False)
 
     def part(self, which: Part) -> tuple[Shard, ...] | None:
@@ -64,26 +102,39 @@ class Manifest:
         return json.dumps(_plain(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        raw = json.loads(text)
-        if raw.get("format") != FORMAT:
-            raise ValueError(f"manifest format {raw.get('format')!r} is not {FORMAT}: written by another version")
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse a manifest; anything that is not one (not JSON, truncated, a field missing or of the wrong kind,
+        another format) raises :class:`ManifestFormatError`."""
+        try:
+            raw = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ManifestFormatError(f"not valid JSON ({error})") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+            raise ManifestFormatError(f"manifest format {found!r} is not {FORMAT}: written by another version")
 
         def shards(items: list[dict[str, Any]] | None) -> tuple[Shard, ...] | None:
             return None if items is None else tuple(Shard(**{**s, "tensors": tuple(s["tensors"])}) for s in items)
 
-        return cls(
-            run_id=raw["run_id"],
-            version=int(raw["version"]),
-            lineage=raw["lineage"],
-            specs={n: TensorSpec(s["dtype"], tuple(s["shape"])) for n, s in raw["specs"].items()},
-            full=shards(raw["full"]),
-            delta=shards(raw["delta"]),
-            base=raw["base"],
-            changed=raw["changed"],
-            published_at=float(raw["published_at"]),
-            signature=raw["signature"],
-        )
+        try:
+            return cls(
+                run_id=str(raw["run_id"]),
+                version=int(raw["version"]),
+                lineage=str(raw["lineage"]),
+                specs={
+                    n: TensorSpec(str(s["dtype"]), tuple(int(d) for d in s["shape"])) for n, s in raw["specs"].items()
+                },
+                full=shards(raw["full"]),
+                delta=shards(raw["delta"]),
+                base=raw["base"],
+                changed=raw["changed"],
+                published_at=float(raw["published_at"]),
+                digests={str(n): str(d) for n, d in raw["digests"].items()},
+                rewritten=tuple(str(a) for a in raw["rewritten"]),
+                signature=raw["signature"],
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ManifestFormatError(f"a field is missing or malformed ({type(error).__name__}: {error})") from None
 
     def signed(self, secret: bytes | None) -> Manifest:
         """This manifest with its HMAC-SHA256 (unchanged without a secret)."""

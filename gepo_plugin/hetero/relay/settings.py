@@ -53,7 +53,17 @@ class RelayConfig(BaseModel):
         0, ge=0, le=22, description="zstd level of keyframes; 0 = stored as is (bf16 weights compress little)"
     )
     poll_s: float = Field(0.5, gt=0, allow_inf_nan=False, description="seconds between a sampler's store checks")
-    retry_attempts: StrictInt = Field(5, ge=1, description="attempts of one store operation before it fails")
+    retry_attempts: StrictInt = Field(
+        5, ge=1, description="attempts of one store operation (transient errors) before the outage budget takes over"
+    )
+    outage_s: float = Field(
+        600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds a store may stay unreachable before the run stops: meanwhile the learner keeps training "
+        "and retries publishing with back-off (unpublished versions are coalesced), samplers keep retrying their "
+        "pulls and lag within the staleness bound; a permanent error (no such bucket, access denied) stops at once",
+    )
     links: list[LinkConfig] = Field(
         default_factory=list,
         description="per sampler group, a bandwidth limit and latency applied to its real transfers (to rehearse a "

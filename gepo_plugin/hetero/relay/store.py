@@ -1,11 +1,14 @@
 """The relay's store behind a URL (a directory, ``s3://``, ``gs://``, any fsspec protocol), retried and counted.
 
 Credentials come only from fsspec's and the cloud SDKs' own configuration (environment, config files, instance
-roles) or the ``storage_options`` handed in; nothing here logs them. Every operation is retried with exponential
-back-off and counted; one that keeps failing raises :class:`RelayStoreError` naming the URL, the operation and the
-object. Writes are atomic where the protocol is not (a local or shared directory: write, then rename), so a reader
-never sees half an object. Reads go through a :class:`~gepo_plugin.hetero.relay.link.Link` in chunks and resume
-from the last chunk received after an error.
+roles) or the ``storage_options`` handed in; nothing here logs them. A transient error (a refused or dropped
+connection, a timeout, a throttled request) is retried with exponential back-off and counted; one that keeps failing
+raises :class:`RelayStoreError` naming the URL, the operation and the object. A permanent error (no such bucket,
+access denied, a file where a directory must be) is not retried: it raises at once with the fix
+(:attr:`RelayStoreError.permanent`). Riding out a longer outage is the caller's decision (the publisher's and the
+follower's outage budget, ``hetero.relay.outage_s``). Writes are atomic where the protocol is not (a local or
+shared directory: write, then rename), so a reader never sees half an object. Reads go through a
+:class:`~gepo_plugin.hetero.relay.link.Link` in chunks and resume from the last chunk received after an error.
 """
 
 from __future__ import annotations
@@ -30,7 +33,38 @@ _CHUNK = 4 << 20
 
 
 class RelayStoreError(RuntimeError):
-    """The store failed an operation after every retry (or cannot be used at all); says which and how to fix it."""
+    """The store failed an operation after every retry (or cannot be used at all); says which and how to fix it.
+
+    ``permanent``: retrying cannot help (no such bucket, access denied, a file where a directory must be), so the
+    operation was tried once and the message says what to change.
+    """
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+#: Errors no retry can cure: the store refuses this caller or the path cannot exist as asked.
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
+    PermissionError,
+    NotADirectoryError,
+    IsADirectoryError,
+    FileExistsError,
+)
+#: The fix of a permanent error, by the error's kind.
+_PERMANENT_FIX = {
+    PermissionError: "give this node's credentials the right to read, write, list and delete under the URL",
+    NotADirectoryError: "a file stands where the store needs a directory: move it or correct the URL",
+    IsADirectoryError: "a directory stands where the store needs an object: remove it or correct the URL",
+    FileExistsError: "a file stands where the store needs a directory: move it or correct the URL",
+    FileNotFoundError: "create the bucket (or directory) first, or correct the URL",
+}
+
+
+def is_permanent(error: BaseException, operation: str) -> bool:
+    """No retry can cure ``error`` of ``operation``: refused access, a path of the wrong kind, or a write to a
+    bucket or directory that does not exist (a missing object on a read is the caller's business, not an error)."""
+    return isinstance(error, PERMANENT_ERRORS) or (operation == "write" and isinstance(error, FileNotFoundError))
 
 
 @dataclass
@@ -95,9 +129,17 @@ class RelayStore:
         for attempt in range(1, self.retry.attempts + 1):
             try:
                 return call()
-            except FileNotFoundError:
-                raise
-            except Exception as error:  # every store error is retried, then reported with the URL
+            except Exception as error:  # a transient error is retried, then reported with the URL
+                if is_permanent(error, operation):
+                    self.counters.add("store_errors")
+                    fix = next(fix for kind, fix in _PERMANENT_FIX.items() if isinstance(error, kind))
+                    raise RelayStoreError(
+                        f"relay store {self.url}: {operation} {key!r} failed ({type(error).__name__}: {error}); not "
+                        f"retried, it cannot succeed as things stand. Fix: {fix}",
+                        permanent=True,
+                    ) from error
+                if isinstance(error, FileNotFoundError):
+                    raise  # a missing object: the caller decides (deleted by retention, a version not there yet)
                 self.counters.add("store_errors")
                 if attempt == self.retry.attempts:
                     raise RelayStoreError(
@@ -133,16 +175,24 @@ class RelayStore:
         self._retried("write", key, write)
         self.counters.add("bytes_written", pieces_nbytes(pieces))
 
-    def put_addressed(self, directory: str, pieces: Sequence[bytes | memoryview]) -> str:
-        """Store the concatenation of ``pieces`` as ``directory/<its sha256>`` unless it is there; returns the sha256.
+    def put_addressed(
+        self, directory: str, pieces: Sequence[bytes | memoryview], rewrite: frozenset[str] = frozenset()
+    ) -> str:
+        """Store the concatenation of ``pieces`` as ``directory/<its sha256>``; returns the sha256.
 
         On a directory the file is written while another thread hashes the same memory (both release the GIL), then
-        renamed to its hash: a keyframe costs about one pass of the slower of the two, not their sum. Elsewhere the
-        hash comes first (an object's name is fixed when its upload starts)."""
+        renamed to its hash, replacing what was there: a keyframe costs about one pass of the slower of the two, not
+        their sum. Elsewhere the hash comes first (an object's name is fixed when its upload starts), and an object
+        already at that address is trusted, and not uploaded again, only when its size matches and its address is not
+        in ``rewrite`` (addresses a sampler found corrupt: an object store would otherwise keep the bad bytes for
+        every later version that reuses the address)."""
         if not self._local:
             sha = _sha256(pieces)
-            if not self.exists(f"{directory}/{sha}"):
-                self.put_pieces(f"{directory}/{sha}", pieces)
+            key = f"{directory}/{sha}"
+            if sha in rewrite or self.size(key) != pieces_nbytes(pieces):
+                self.put_pieces(key, pieces)
+                if sha in rewrite:
+                    self.counters.add("shards_rewritten")
             return sha
         folder = self.path(directory)
         partial = f"{folder}/.partial-{uuid.uuid4().hex}"
@@ -185,6 +235,17 @@ class RelayStore:
     def exists(self, key: str) -> bool:
         return self._retried("stat", key, lambda: self.fs.exists(self.path(key)))
 
+    def size(self, key: str) -> int | None:
+        """The stored object's size in bytes (None: there is none)."""
+
+        def stat() -> int | None:
+            try:
+                return int(self.fs.info(self.path(key))["size"])
+            except FileNotFoundError:
+                return None
+
+        return self._retried("stat", key, stat)
+
     def list(self, prefix: str) -> list[str]:
         """Keys directly under ``prefix`` (empty if there is none)."""
 
@@ -208,7 +269,11 @@ class RelayStore:
 
     def probe(self, write: bool = True) -> None:
         """Write, read back and delete one object (``write``), or list the store (a sampler, which only reads): a
-        store that cannot do it stops the run now, with the URL and the fix."""
+        store that cannot do it stops the run now, with the URL and the fix.
+
+        The read-only probe lists the run's prefix (empty is fine: the learner may not have published yet) and
+        requires the bucket, or on a directory store the directory itself, to exist: listing a bucket that does not
+        exist reads as empty on some protocols, and a sampler would then wait for ever for a first version."""
         key = f"_probe/{uuid.uuid4().hex}"
         payload = b"gepo-plugin relay probe"
         back = payload
@@ -218,18 +283,31 @@ class RelayStore:
                 back = self.get(key)
                 self.delete(key)
             else:
-                self._retried(
-                    "list", "", lambda: self.fs.ls(self.root, detail=False) if self.fs.exists(self.root) else []
-                )
+                self._retried("list", "", self._list_root_and_check_container)
         except Exception as error:
             raise RelayStoreError(
                 f"hetero.relay.url={self.url!r} is not usable{'' if write else ' from a sampler'}: {error}. Fix: check "
                 "the URL, that the bucket or directory exists and is "
                 f"{'writable' if write else 'readable'} from here, and the credentials of its protocol (for s3:// the "
-                "usual AWS environment or config files; an endpoint through hetero.relay.storage_options)"
+                "usual AWS environment or config files; an endpoint through hetero.relay.storage_options)",
+                permanent=not isinstance(error, RelayStoreError) or error.permanent,
             ) from error
         if back != payload:
             raise RelayStoreError(f"hetero.relay.url={self.url!r} returned different bytes than were written to it")
+
+    def _list_root_and_check_container(self) -> None:
+        try:
+            self.fs.ls(self.root, detail=False)
+            return
+        except FileNotFoundError:
+            pass
+        if self._local:
+            raise FileNotFoundError(f"the directory {self.root} does not exist on this node (is the share mounted?)")
+        bucket = self.root.split("/", 1)[0]
+        try:
+            self.fs.info(bucket)  # a bucket's HEAD: missing -> FileNotFoundError, refused -> PermissionError
+        except FileNotFoundError:
+            raise FileNotFoundError(f"the bucket {bucket!r} does not exist") from None
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

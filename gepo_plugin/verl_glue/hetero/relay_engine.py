@@ -101,9 +101,17 @@ class RelayCheckpointEngine(CheckpointEngine):
         if self.publisher is not None:
             self.publisher.hold(oldest_held)
 
-    def request_keyframe(self) -> None:
+    def request_keyframe(self, corrupt_shards: list[str] | tuple[str, ...] = ()) -> None:
+        """A sampler needs a keyframe; ``corrupt_shards``: the shard addresses samplers found corrupt."""
         if self.publisher is not None:
-            self.publisher.request_keyframe()
+            self.publisher.request_keyframe(corrupt_shards)
+
+    def check(self) -> dict:
+        """Raise if publishing has ended (an outage past hetero.relay.outage_s, a permanent store error); else the
+        learner's counters (called while the learner waits for samplers, which a dead publisher would starve)."""
+        if self.publisher is not None:
+            self.publisher.check()
+        return self.metrics()
 
     def flush(self, timeout_s: float | None = None) -> dict:
         """Wait until everything queued is published (tests, shutdown); the learner's counters."""
@@ -122,7 +130,7 @@ class RelayCheckpointEngine(CheckpointEngine):
         links = self.config.links
         link = Link(links[group]) if links else None
         puller = RelayPuller(open_store(self.config), self.config.run_id, self.config.secret(), link)
-        self.follower = RelayFollower(puller, group, replica, poll_s=self.config.poll_s)
+        self.follower = RelayFollower(puller, group, replica, poll_s=self.config.poll_s, outage_s=self.config.outage_s)
         self.follower.start()
 
     def probe(self) -> None:

@@ -98,6 +98,7 @@ class RelayWeightSync(DelayedWeightSync):
         if self.schedule is None:
             return
         self.retire_lost()
+        self._check_publisher()
         if self._collect():
             self._admit(self.schedule.latest)
 
@@ -120,9 +121,17 @@ class RelayWeightSync(DelayedWeightSync):
         size = self.actor_wg.world_size
         ray.get(self.actor_wg.execute_checkpoint_engine(["hold"] * size, [oldest] * size))
 
-    def _request_keyframe(self) -> None:
+    def _request_keyframe(self, corrupt_shards: list[str]) -> None:
         size = self.actor_wg.world_size
-        ray.get(self.actor_wg.execute_checkpoint_engine(["request_keyframe"] * size))
+        ray.get(self.actor_wg.execute_checkpoint_engine(["request_keyframe"] * size, [corrupt_shards] * size))
+
+    def _check_publisher(self) -> None:
+        """Stop the run if publishing has ended (outage budget spent, permanent store error): the samplers would
+        otherwise starve while the learner waits for their rollouts."""
+        size = self.actor_wg.world_size
+        for result in ray.get(self.actor_wg.execute_checkpoint_engine(["check"] * size)):
+            if isinstance(result, dict) and result:
+                self.publish_metrics = {RELAY_PREFIX + k.removeprefix(RELAY_PREFIX): v for k, v in result.items()}
 
     # --------------------------------------------------------------- the samplers' side
     def _statuses(self) -> dict[int, list[FollowerStatus]]:
@@ -155,6 +164,7 @@ class RelayWeightSync(DelayedWeightSync):
         """Install each replica's newly arrived version; returns the replicas that installed one."""
         installed = []
         keyframe = False
+        corrupt: set[str] = set()
         self.retire_lost()
         for replica, statuses in self._statuses().items():
             for status in statuses:
@@ -164,6 +174,7 @@ class RelayWeightSync(DelayedWeightSync):
                         f"{status.error}"
                     )
                 keyframe |= status.keyframe_needed is not None
+                corrupt.update(status.corrupt_shards)
                 for receipt in status.receipts:
                     self.receipts.setdefault(replica, {})[receipt.version] = receipt
             self.sampler_counters[replica] = _summed(status.counters for status in statuses)
@@ -176,7 +187,7 @@ class RelayWeightSync(DelayedWeightSync):
             if self._install_replica(replica, version):
                 installed.append(replica)
         if keyframe:
-            self._request_keyframe()
+            self._request_keyframe(sorted(corrupt))
         return installed
 
     def _install_replica(self, replica: int, version: int) -> bool:
