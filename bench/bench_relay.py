@@ -7,8 +7,11 @@ tiny Llama model of the CPU tests and a Llama-architecture model of about 110M p
 - bytes per version: a keyframe against an exact zstd-compressed sparse delta, and the share of bf16 elements that
   changed;
 - throughput in GB/s of weights: delta encode and apply (both without zstd, which the pull+apply figure includes),
+  the digest (xxHash3-128 of every tensor's bits, which every manifest carries and every install is checked against)
+  and the staging copy (a pull applies into a fresh copy of the tensors it changes, never into the held version),
   full publish (the host copy and a keyframe written to a fresh directory store, a median over the steps, beside
-  this machine's memory-copy and disk-write bandwidth measured in the same run), pull and apply;
+  this machine's memory-copy and disk-write bandwidth measured in the same run), pull and apply (staging copy,
+  apply and digest check included);
 - from those, the transfer time of one version of Qwen3-1.7B and of an 8B model at 1 Gbit/s and 100 Mbit/s.
 
     python bench/bench_relay.py                    # tiny + ~110M model, lr 1e-6 and 1e-5, 6 steps each (~6 min)
@@ -132,7 +135,12 @@ def measure(label: str, model: torch.nn.Module, lr: float, steps: int, vocab: in
             compressed = codec.compress(raw, RelayConfig().delta_zstd_level)
             row["delta_bytes"] = len(compressed)
             row["changed_share"] = changed / bits.elements
-            target = previous.copy()
+            started = time.perf_counter()
+            bits.digests()
+            row["digest_gbps"] = size / (time.perf_counter() - started) / GB
+            started = time.perf_counter()
+            target = previous.copy()  # what a pull pays to stage the tensors it changes (fresh memory)
+            row["staging_copy_gbps"] = size / (time.perf_counter() - started) / GB
             decompressed = codec.decompress(compressed, True)
             started = time.perf_counter()  # as encode excludes zstd, apply excludes it (pull+apply has both)
             codec.apply_delta(target, decompressed)
@@ -179,6 +187,8 @@ def measure(label: str, model: torch.nn.Module, lr: float, steps: int, vocab: in
         "changed_share_median": statistics.median(r["changed_share"] for r in deltas),
         "delta_encode_gbps": statistics.median(r["delta_encode_gbps"] for r in deltas),
         "delta_apply_gbps": statistics.median(r["delta_apply_gbps"] for r in deltas),
+        "digest_gbps": statistics.median(r["digest_gbps"] for r in deltas),
+        "staging_copy_gbps": statistics.median(r["staging_copy_gbps"] for r in deltas),
         "keyframe_publish_gbps": statistics.median(r["keyframe_publish_gbps"] for r in rows),
         "keyframe_over_paired_disk": statistics.median(r["keyframe_publish_gbps"] / r["disk_write_gbps"] for r in rows),
         "delta_publish_gbps": statistics.median(r["publish_gbps"] for r in rows[1:]),
@@ -279,14 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "\n| model | params | lr | full MB | delta MB | delta/full | changed bf16 | encode GB/s | apply GB/s | "
-        "keyframe publish GB/s (x paired disk write) | pull+apply delta GB/s |"
+        "digest GB/s | staging copy GB/s | keyframe publish GB/s (x paired disk write) | pull+apply delta GB/s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summaries:
         print(
             f"| {s['model']} | {s['parameters'] / 1e6:.1f}M | {s['lr']:g} | {s['full_bytes'] / 1e6:.2f} | "
             f"{s['delta_bytes_median'] / 1e6:.3f} | {s['delta_over_full']:.3f} | {s['changed_share_median']:.2%} | "
-            f"{s['delta_encode_gbps']:.2f} | {s['delta_apply_gbps']:.2f} | {s['keyframe_publish_gbps']:.2f} "
+            f"{s['delta_encode_gbps']:.2f} | {s['delta_apply_gbps']:.2f} | {s['digest_gbps']:.2f} | "
+            f"{s['staging_copy_gbps']:.2f} | {s['keyframe_publish_gbps']:.2f} "
             f"({s['keyframe_over_paired_disk']:.2f}x) | {s['delta_pull_apply_gbps']:.2f} |"
         )
     print(

@@ -209,8 +209,9 @@ gepo_num_gpus() {
   fi
 }
 
-# Append to COMMAND the options head and worker share: GPUs, CPUs, the role label, --block, extra arguments.
-# Reads NUM_GPUS, RAY_NUM_CPUS, NODE_ROLE, RAY_BLOCK, RAY_EXTRA_ARGS; further arguments are appended last.
+# Append to COMMAND the options head and worker share: GPUs, CPUs, the role label (and a learner's resource),
+# --block, extra arguments. Reads NUM_GPUS, RAY_NUM_CPUS, NODE_ROLE, LEARNER_RESOURCE, RAY_BLOCK, RAY_EXTRA_ARGS;
+# further arguments are appended last.
 gepo_ray_start_options() {
   COMMAND+=(--num-gpus="$NUM_GPUS")
   if [[ -n "${RAY_NUM_CPUS:-}" ]]; then
@@ -218,6 +219,11 @@ gepo_ray_start_options() {
   fi
   if [[ -n "$NODE_ROLE" ]]; then
     COMMAND+=(--labels="gepo-role=$NODE_ROLE")
+  fi
+  # a learner node offers the custom resource HeteroRL keeps verl's own services on (hetero.learner_resource), so
+  # that any sampler node can be lost without stopping the run
+  if [[ "$NODE_ROLE" == learner ]]; then
+    COMMAND+=(--resources="{\"${LEARNER_RESOURCE:-gepo_learner}\": 1}")
   fi
   if [[ "${RAY_BLOCK:-0}" == 1 ]]; then
     COMMAND+=(--block)

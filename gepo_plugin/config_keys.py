@@ -84,6 +84,7 @@ REWARD_FUNCTION = "reward.custom_reward_function"
 # ---------------------------------------------------------------- HeteroRL
 HETERO = "hetero"
 HETERO_ENABLE = f"{HETERO}.enable"
+HETERO_LEARNER_RESOURCE = f"{HETERO}.learner_resource"
 HETERO_RELAY = f"{HETERO}.relay"
 HETERO_RELAY_RUN_ID = f"{HETERO_RELAY}.run_id"
 PROJECT_NAME = "trainer.project_name"

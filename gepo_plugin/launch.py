@@ -35,6 +35,7 @@ from gepo_plugin.config_keys import (
     DEVICE,
     HETERO,
     HETERO_ENABLE,
+    HETERO_LEARNER_RESOURCE,
     HYBRID_ENGINE,
     TRAINER_MODE,
 )
@@ -151,6 +152,8 @@ def features_needed(config: DictConfig) -> list[str]:
         features += ["group_term", "metric_aggregation"]
     if OmegaConf.select(config, HETERO_ENABLE):
         features.append("hetero")
+        if OmegaConf.select(config, HETERO_LEARNER_RESOURCE):
+            features.append("learner_placement")
         if OmegaConf.select(config, CHECKPOINT_ENGINE_BACKEND) == RELAY_CHECKPOINT_ENGINE:
             features.append("weight_relay")
         if OmegaConf.select(config, HYBRID_ENGINE) is False:

@@ -18,9 +18,10 @@ import tempfile
 import hydra
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import gepo_plugin.config  # noqa: F401  (registers the option nodes the yaml's defaults list names)
+from gepo_plugin.config_keys import HETERO_ENABLE, HETERO_LEARNER_RESOURCE
 from gepo_plugin.launch import CommandLine, check_before_start, explicit_keys, plan_launch, settle
 
 logger = logging.getLogger("gepo_plugin")
@@ -52,6 +53,11 @@ def _run(config: DictConfig) -> None:
 
         select_cpu_platform()
         logger.warning("trainer.device=cpu: verl on the CPU backend (a debugging/CI backend, not for training)")
+    resource = OmegaConf.select(config, HETERO_LEARNER_RESOURCE) if OmegaConf.select(config, HETERO_ENABLE) else None
+    if resource:
+        from gepo_plugin.verl_glue.hetero.placement import place_task_runner
+
+        place_task_runner(resource)
     from verl.trainer.main_ppo import main as verl_main
 
     verl_main(config)  # Hydra's decorated main runs the task function directly when given a config

@@ -90,10 +90,6 @@ class RayNodes:
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
             "NODE_IP": HEAD_IP,
             "RAY_BLOCK": "1",
-            # an actor created without a placement goes to a node at random, unless nodes differ in use: with a
-            # spread threshold of 0 Ray picks the least-used node (CPU reserved / CPU), which is the head (see
-            # WORKER_RESERVED_CPUS)
-            "RAY_scheduler_spread_threshold": "0.0",
         }
 
     def start_head(self, gpus: int, cpus: int) -> None:
@@ -104,17 +100,16 @@ class RayNodes:
             "RAY_PORT": self.address.split(":")[1],
             "DASHBOARD_PORT": str(_free_port()),
             "RAY_CLIENT_PORT": str(_free_port()),
-            # the learner's node offers LEARNER_RESOURCE: TransferQueue's storage goes only there
-            "RAY_EXTRA_ARGS": f"--temp-dir={self.temp_dir} --include-dashboard=false {_agent_ports()} "
-            f'--resources={{"{LEARNER_RESOURCE}":1}}',
+            # start_head.sh's default role (learner) offers LEARNER_RESOURCE: HeteroRL keeps verl's services there
+            "RAY_EXTRA_ARGS": f"--temp-dir={self.temp_dir} --include-dashboard=false {_agent_ports()}",
         }
         process = _launch("start_head.sh", env, self.temp_dir)
         _started(process, "start_head.sh")
         self.nodes["head"] = Node("head", process, gpus, HEAD_IP)
 
     def add_workers(self, worker_gpus: list[int]) -> None:
-        """Sampler nodes (``gpus`` logical GPUs each: room for one rollout bundle per GPU, and the reserved CPUs),
-        started one at a time (two joining at once can time out here), then each one's CPUs reserved."""
+        """Sampler nodes (``gpus`` logical GPUs each: room for one rollout bundle per GPU), started one at a time (two
+        joining at once can time out here)."""
         started = []
         for gpus in worker_gpus:
             index = self._workers_started
@@ -124,7 +119,7 @@ class RayNodes:
                 **self.base,
                 "NODE_IP": ip,
                 "NUM_GPUS": str(gpus),
-                "RAY_NUM_CPUS": str(SAMPLER_NODE_CPUS * gpus + WORKER_RESERVED_CPUS),
+                "RAY_NUM_CPUS": str(SAMPLER_NODE_CPUS * gpus),
                 "RAY_HEAD_ADDRESS": self.address,
                 "RAY_EXTRA_ARGS": _agent_ports(),
             }
@@ -133,13 +128,7 @@ class RayNodes:
             started.append(node)
             _started(node.process, "start_worker.sh")
         running = [node for node in self.nodes.values() if node.process.poll() is None]
-        settled = _driver(
-            _SETTLE.replace("RESERVED", RESERVED_ACTOR),
-            self.address,
-            str(len(running)),
-            json.dumps([node.ip for node in started]),
-            str(WORKER_RESERVED_CPUS),
-        )
+        settled = _driver(_SETTLE, self.address, str(len(running)))
         for node in running:
             node.node_id = settled["ids"][node.ip]
 
@@ -163,38 +152,22 @@ class RayNodes:
             self.remove(name)
 
 
-#: A custom resource only the head (the learner's node) has: ``transfer_queue.backend.SimpleStorage.
-#: required_node_resource`` keeps the rollouts' storage there, so losing a sampler node loses no stored rollout.
+#: The custom resource start_head.sh offers on a learner node (its default role), and hetero.learner_resource's
+#: default: HeteroRL keeps verl's own services on the nodes that offer it.
 LEARNER_RESOURCE = "gepo_learner"
 #: The head's address; worker nodes take 127.0.0.2, 127.0.0.3, ... (all this machine, all loopback): a driver that
-#: joins with ``ray_init._node_ip_address=HEAD_IP`` attaches to the head, so the run's TaskRunner (and what it
-#: creates without a placement) starts on the learner's node. Not 127.0.0.1: Ray rewrites that address to the
-#: machine's own (``resolve_ip_for_localhost``), and a driver on 127.0.0.1 then matches no node and joins any.
+#: joins with ``ray_init._node_ip_address=HEAD_IP`` attaches to the head. Not 127.0.0.1: Ray rewrites that address to
+#: the machine's own (``resolve_ip_for_localhost``), and a driver on 127.0.0.1 then matches no node and joins any.
 HEAD_IP = "127.0.0.100"
 #: Logical CPUs a sampler node offers the run: verl's rollout bundle ({"CPU": 2, "GPU": 1}) and its server's CPU
 SAMPLER_NODE_CPUS = 3
-#: Logical CPUs a worker node keeps for itself (a detached actor holds them for the node's life): the node is then
-#: more used than the head (whose learner pool reserves 6 of its 64), so Ray places everything verl creates without
-#: a placement (its TaskRunner, TransferQueue's controller, the load balancer) on the head
-WORKER_RESERVED_CPUS = 1
-#: The class name of the actor that holds them
-RESERVED_ACTOR = "Reserved"
 
 
 @contextmanager
 def ray_nodes(head_gpus: int, worker_gpus: list[int], head_cpus: int = 64) -> Iterator[RayNodes]:
-    """A head with ``head_gpus`` logical GPUs and one worker node per entry of ``worker_gpus`` (``worker0``, ...).
-
-    Where verl's own actors go, so that a sampler node can be lost as in a deployment whose sampler nodes only sample:
-
-    - Ray places an actor created without a placement on the least-used node (spread threshold 0; each worker keeps
-      ``WORKER_RESERVED_CPUS``): verl's TaskRunner, TransferQueue's controller and the load balancer go to the head.
-    - The learner's pool (both logical GPUs of one node, strictly packed) can only go to the head; TransferQueue's
-      storage goes where ``LEARNER_RESOURCE`` is.
-    - verl 0.9.1 places its reward-loop and agent-loop workers round-robin over ``ray.nodes()`` (alive, with CPUs)
-      in the order Ray's GCS lists them, a hash order of the random node ids: with one worker of each, both go to
-      the first node listed, which may be a worker. At most one worker node hosts them; a test loses another one.
-    """
+    """A head with ``head_gpus`` logical GPUs (a learner node: it offers ``LEARNER_RESOURCE``) and one sampler node per
+    entry of ``worker_gpus`` (``worker0``, ...), started with the examples' scripts as a deployment would; nothing
+    else is arranged: where verl's own services go is the plugin's business (hetero.learner_resource)."""
     temp_dir = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     new_cluster_token()
     cluster = RayNodes(temp_dir)
@@ -214,31 +187,14 @@ ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 alive = [a for a in state.state.actor_table(None).values() if a["State"] == "ALIVE"]
 print(json.dumps([[a.get("Name") or a["ActorClassName"], a["Address"]["NodeID"]] for a in alive]))
 """
-#: Once ``argv[2]`` nodes are alive: a detached actor holding ``argv[4]`` logical CPUs on each node whose address is
-#: in ``argv[3]`` (see WORKER_RESERVED_CPUS); prints every alive node's id by address
+#: Once ``argv[2]`` nodes are alive: prints every alive node's id by address
 _SETTLE = """
 import json, sys, time, ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 deadline = time.monotonic() + 60
 while len([n for n in ray.nodes() if n["Alive"]]) < int(sys.argv[2]) and time.monotonic() < deadline:
     time.sleep(0.5)
-ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-
-@ray.remote
-class RESERVED:
-    def ready(self):
-        return True
-
-cpus = float(sys.argv[4])
-held = [
-    RESERVED.options(
-        num_cpus=cpus, lifetime="detached", scheduling_strategy=NodeAffinitySchedulingStrategy(ids[ip], soft=False)
-    ).remote()
-    for ip in json.loads(sys.argv[3])
-]
-ray.get([actor.ready.remote() for actor in held])
-print(json.dumps({"ids": ids}))
+print(json.dumps({"ids": {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}}))
 """
 
 

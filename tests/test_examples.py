@@ -225,6 +225,7 @@ def test_ray_scripts_print_ray_start(tmp_path):
     words = shlex.split(head.stdout)
     assert words[:3] == ["ray", "start", "--head"]
     assert {"--port=6380", "--num-gpus=8", "--node-ip-address=10.0.0.1", "--labels=gepo-role=learner"} <= set(words)
+    assert '--resources={"gepo_learner": 1}' in words  # the learner's nodes keep verl's services
 
     worker_env = {"RAY_HEAD_ADDRESS": "10.0.0.1:6380", "NUM_GPUS": "8", "NODE_IP": "10.0.0.2", "RAY_BLOCK": "1"}
     worker = subprocess.run(
@@ -237,6 +238,7 @@ def test_ray_scripts_print_ray_start(tmp_path):
     assert worker.returncode == 0, worker.stderr
     words = shlex.split(worker.stdout)
     assert {"--address=10.0.0.1:6380", "--labels=gepo-role=sampler", "--block"} <= set(words)
+    assert not any(word.startswith("--resources") for word in words)  # a sampler node hosts only samplers
 
     missing = subprocess.run(
         ["bash", str(EXAMPLES / "ray/start_worker.sh")],

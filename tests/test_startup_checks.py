@@ -120,7 +120,6 @@ MISTAKES = [
         "hetero.relay.storage_options: secret looks like a credential",
     ),
     ("relay links for other groups", [*RELAY, NOT_PROBED, "hetero.relay.links=[{},{},{}]"], "one per group"),
-    ("relay with replacements", [*RELAY, NOT_PROBED, "hetero.replace_failed=true"], "hetero.replace_failed=true"),
     (
         "relay with another checkpoint engine",
         [*RELAY, NOT_PROBED, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],

@@ -12,8 +12,10 @@
 #   RAY_NUM_CPUS [unset: Ray detects]
 #   NUM_GPUS [the number of GPUs `nvidia-smi -L` lists; printed to stderr]: without nvidia-smi, or when it fails or
 #     lists none, the script stops and asks for NUM_GPUS (NUM_GPUS=0 for a node without GPUs, e.g. a CPU-only head)
-#   NODE_ROLE [learner]: informational Ray node label gepo-role=<role> (verl 0.9.1 does not place workers by
-#     label: the learner and sampler pools take whatever GPUs are free), empty = no label
+#   NODE_ROLE [learner]: Ray node label gepo-role=<role>, empty = no label; a learner node also offers the custom
+#     resource LEARNER_RESOURCE, where HeteroRL keeps verl's own services (TaskRunner, TransferQueue, load balancer,
+#     agent-loop and reward workers), so any sampler node can be lost (hetero.learner_resource must name it)
+#   LEARNER_RESOURCE [gepo_learner]: that resource's name (no other --resources in RAY_EXTRA_ARGS on a learner node)
 #   RAY_BLOCK [0]: 1 = keep `ray start` in the foreground (what Slurm's srun needs)
 #   RAY_EXTRA_ARGS []: more `ray start` arguments, e.g. "--min-worker-port 20000 --max-worker-port 29999"
 #   PRINT_ONLY [0]: 1 (or --print-command) prints the `ray start` command instead of running it

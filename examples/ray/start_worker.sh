@@ -10,7 +10,8 @@
 #   NODE_IP [first address of `hostname -I`]  RAY_NUM_CPUS [unset: Ray detects]
 #   NUM_GPUS [the number of GPUs `nvidia-smi -L` lists; printed to stderr]: without nvidia-smi, or when it fails or
 #     lists none, the script stops and asks for NUM_GPUS (NUM_GPUS=0 for a node without GPUs)
-#   NODE_ROLE [sampler]: informational Ray node label gepo-role=<role>, empty = no label
+#   NODE_ROLE [sampler]: Ray node label gepo-role=<role>, empty = no label; NODE_ROLE=learner for a further learner
+#     node: it offers LEARNER_RESOURCE [gepo_learner] too, see start_head.sh
 #   RAY_BLOCK [0]: 1 = keep `ray start` in the foreground (what Slurm's srun needs)
 #   RAY_EXTRA_ARGS []: more `ray start` arguments
 #   PRINT_ONLY [0]: 1 (or --print-command) prints the `ray start` command instead of running it

@@ -120,6 +120,15 @@ class HeteroConfig(BaseModel):
         description="true: a retired sampler replica is replaced by a new one, which installs the learner's current "
         "weights before it takes requests; false: training goes on with the samplers left",
     )
+    learner_resource: str | None = Field(
+        "gepo_learner",
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="custom Ray resource that marks the learner's nodes (examples/ray/start_head.sh and "
+        "start_worker.sh offer it with NODE_ROLE=learner): verl's own services (TaskRunner, TransferQueue, load "
+        "balancer, agent-loop and reward workers) are placed on those nodes, so any sampler node can be lost; "
+        "without a node offering it (one machine, or a cluster started without it) Ray places them; null = always Ray",
+    )
     transport: Literal["simulated", "relay"] = Field(
         "simulated",
         description="how weights reach the samplers: simulated = verl's in-cluster engine, with the delays above "
@@ -156,11 +165,6 @@ class HeteroConfig(BaseModel):
             raise ValueError(
                 "hetero.transport=relay moves real weights, so their delay is real: remove hetero.delay and "
                 "hetero.group_delays (rehearse a slow link with hetero.relay.links instead)"
-            )
-        if self.replace_failed:
-            raise ValueError(
-                "hetero.replace_failed=true is not supported with hetero.transport=relay yet: set it to false (a lost "
-                "sampler is still retired and training goes on with the others)"
             )
         groups = self.sampler_groups
         if self.relay.links and groups is not None and len(self.relay.links) != len(groups):

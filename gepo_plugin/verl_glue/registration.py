@@ -24,6 +24,10 @@ from collections.abc import Callable, Iterable
 
 from gepo_plugin.names import expected_names
 
+#: The environment switch of patches/learner_placement.py (:data:`gepo_plugin.verl_glue.hetero.placement.ENV`; named
+#: here too so that ``import verl`` need not import the placement module to read it).
+PLACEMENT_ENV = "GEPO_LEARNER_RESOURCE"
+
 logger = logging.getLogger("gepo_plugin")
 
 #: verl module (that defines a registry) -> the plugin modules that register with it when imported.
@@ -73,6 +77,12 @@ def _apply_server_identity() -> None:
     apply_optional("server_identity", "per-sampler-group throughput metrics are unavailable", logger)
 
 
+def _apply_learner_placement() -> None:
+    from gepo_plugin.patching import apply_optional
+
+    apply_optional("learner_placement", "verl's own services may land on sampler nodes", logger)
+
+
 def install_hooks(hooks) -> None:
     """``(verl module, action, step name)`` triples: run each action, recorded, once its module is imported."""
     for module, action, step in hooks:
@@ -83,7 +93,9 @@ def install() -> None:
     """Register the post-import hooks (idempotent enough: a second hook finds the modules imported).
 
     HeteroRL runs set ``GEPO_SERVER_IDENTITY=1`` in every Ray process (``hetero.enable=true``): there rollouts
-    are tagged with the server that generated them once verl's rollout client is imported.
+    are tagged with the server that generated them once verl's rollout client is imported. They also name the
+    learner nodes' resource (``GEPO_LEARNER_RESOURCE``): verl's services are kept there once verl's V1 trainer
+    package (imported by the TaskRunner before it creates them) is imported.
     """
     import os
 
@@ -95,6 +107,11 @@ def install() -> None:
         on_import(
             "verl.workers.rollout.llm_server",
             lambda _module: run_recorded("tag rollouts with their server", _apply_server_identity),
+        )
+    if os.environ.get(PLACEMENT_ENV):
+        on_import(
+            "verl.trainer.ppo.v1",
+            lambda _module: run_recorded("keep verl's services on the learner's nodes", _apply_learner_placement),
         )
 
 

@@ -9,13 +9,19 @@ learner waits for data) the learner collects their receipts and installs each re
 through verl's rollout weight-update path, tagging its tokens with that version. Which version a group holds is then
 an :class:`~gepo_plugin.hetero.relay.arrivals.ArrivalBook` of real arrivals, and the staleness core's bound, waits
 and admission read it as they read the simulated schedule.
+
+A replacement (``hetero.replace_failed=true``) follows the store like any replica as soon as it has started: its
+first pull is the newest keyframe (and the deltas after it), and at the first safe point after it has arrived the
+learner installs it and the replica joins its group (:func:`~gepo_plugin.verl_glue.hetero.replacement.enlist`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -29,12 +35,31 @@ from gepo_plugin.hetero.relay.follower import FollowerStatus, Receipt
 from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue.hetero.health import probe
 from gepo_plugin.verl_glue.hetero.relay_engine import BACKEND
+from gepo_plugin.verl_glue.hetero.replacement import abandon, enlist
 from gepo_plugin.verl_glue.hetero.weight_sync import DelayedWeightSync
 
 logger = logging.getLogger(__name__)
 RELAY_PREFIX = "hetero/relay/"
 #: How long the first sync (start or resume) waits for every replica to pull the learner's version.
 FIRST_SYNC_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class Joining:
+    """A replacement replica that follows the store and joins its group once its first version has arrived."""
+
+    group: int
+    replica: Any
+    workers: RayWorkerGroup
+    manager: CheckpointEngineManager
+
+
+def checkpoint_workers(replica: Any) -> RayWorkerGroup:
+    """The replica's checkpoint-engine workers (where its relay follower runs), as a worker group to call."""
+    return RayWorkerGroup(
+        worker_handles=list(replica.workers),
+        ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(CheckpointEngineWorker)),
+    )
 
 
 class RelayWeightSync(DelayedWeightSync):
@@ -53,11 +78,9 @@ class RelayWeightSync(DelayedWeightSync):
         self.receipts: dict[int, dict[int, Receipt]] = {}
         self.sampler_counters: dict[int, dict[str, float]] = {}
         self.publish_metrics: dict[str, float] = {}
+        self.joining: list[Joining] = []
         for replica, member in self.members.items():
-            self.worker_groups[replica] = RayWorkerGroup(
-                worker_handles=list(member.workers),
-                ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(CheckpointEngineWorker)),
-            )
+            self.worker_groups[replica] = checkpoint_workers(member)
             self.replica_managers[replica] = CheckpointEngineManager(base.config, base.actor_wg, [member])
         first = next(iter(self.worker_groups.values()))  # one sampler reads the store before anything else
         ray.get(first.execute_checkpoint_engine(["probe"] * first.world_size))
@@ -88,6 +111,7 @@ class RelayWeightSync(DelayedWeightSync):
         else:
             self.schedule.publish(version, now)
             self._collect()
+        self._admit_replacements()
         self._admit(version)
         self.version_floors[version + 1] = self.schedule.oldest_held()
         self._hold(self.schedule.oldest_held())
@@ -99,7 +123,7 @@ class RelayWeightSync(DelayedWeightSync):
             return
         self.retire_lost()
         self._check_publisher()
-        if self._collect():
+        if self._collect() or self._admit_replacements():
             self._admit(self.schedule.latest)
 
     def retire_lost(self) -> None:
@@ -109,6 +133,68 @@ class RelayWeightSync(DelayedWeightSync):
                 self.schedule.remove_replica(replica)
                 self.worker_groups.pop(replica, None)
                 self.replica_managers.pop(replica, None)
+
+    # --------------------------------------------------------------- replacements
+    def _admit_replacements(self) -> list[int]:
+        """Started replacements begin following the store; those whose first version has arrived are installed and
+        join their group. Returns the roster ids that joined."""
+        if self.replacements is None or self.schedule is None:
+            return []
+        for group, replica in self.replacements.started():
+            workers = checkpoint_workers(replica)
+            size = workers.world_size
+            try:  # a provisional replica id: receipts are relabelled by the worker group they came from
+                ray.get(workers.execute_checkpoint_engine(["follow"] * size, [group] * size, [-1] * size))
+            except RayError:
+                logger.exception("hetero: a replacement for sampler group %d was lost before it followed", group)
+                abandon(replica)
+                self.roster.abandon_replacement(group)
+                continue
+            manager = CheckpointEngineManager(self.config, self.actor_wg, [replica])
+            self.joining.append(Joining(group, replica, workers, manager))
+        joined = [member for member in map(self._join, list(self.joining)) if member is not None]
+        self.roster.require_any()
+        return joined
+
+    def _join(self, joining: Joining) -> int | None:
+        """Install ``joining``'s first arrived version and enlist it; None while it has not arrived (or it failed)."""
+        size = joining.workers.world_size
+        try:
+            statuses = ray.get(
+                joining.workers.execute_checkpoint_engine(["status"] * size), timeout=self.settings.health.timeout_s
+            )
+            staged = {status.staged for status in statuses}
+            if len(staged) != 1 or None in staged:
+                errors = [status.error for status in statuses if status.error is not None]
+                if errors:
+                    raise RuntimeError(f"its relay follower stopped: {errors[0]}")
+                return None
+            version = staged.pop()
+            joining.manager.abort_replicas()
+            joining.manager.release_kv_cache_replicas()
+            ray.get(joining.workers.update_weights(global_steps=version))
+            joining.manager.resume_kv_cache_replicas()
+        except (RayError, GetTimeoutError, RuntimeError):
+            logger.exception("hetero: a replacement for sampler group %d failed before it joined", joining.group)
+            self.joining.remove(joining)
+            abandon(joining.replica)
+            self.roster.abandon_replacement(joining.group)
+            return None
+        self.joining.remove(joining)
+        rejoining = not self.roster.alive(joining.group)
+        member = enlist(self, joining.group, joining.replica, version)
+        self.worker_groups[member] = joining.workers
+        self.replica_managers[member] = joining.manager
+        self.schedule.add_replica(member, joining.group, version)
+        for status in statuses:
+            for receipt in status.receipts:  # its pulls count in its group's bytes
+                self.schedule.bytes[joining.group] += receipt.nbytes
+        if joining.group in self.paused and not rejoining:
+            joining.manager.abort_replicas()  # its group waits for newer weights (admission control)
+        else:
+            self.paused.discard(joining.group)
+            joining.manager.resume_generation_replicas()
+        return member
 
     # --------------------------------------------------------------- the learner's side
     def _publish(self, version: int) -> None:
@@ -206,7 +292,7 @@ class RelayWeightSync(DelayedWeightSync):
         receipt = self.receipts.get(replica, {}).pop(version, None) or Receipt(
             group, replica, version, self.clock(), 0, 0.0
         )
-        self.schedule.install(receipt)
+        self.schedule.install(dataclasses.replace(receipt, group=group, replica=replica))
         self.deliveries[group] += 1
         if group in self.paused and self.settings.policy.may_start(self.schedule.latest, self.schedule.held[group]):
             self.paused.discard(group)

@@ -6,12 +6,14 @@ servers). It needs an unused ``replica_rank`` (actor names such as ``<rollout>_s
 ``rollout_pool_{rank}`` are fixed) and free devices (the lost replica's placement group was released).
 
 Starting takes as long as loading a model (seconds on CPU, minutes for a large model on GPUs), so it runs in a
-background thread while the learner trains (:class:`ReplacementStarter`). Once started, the learner admits it at a
-safe point, when the actor holds exactly the weights the schedule calls the newest (after a step's publish, or
-while it waits for data): it installs the weights its sampler group holds (the learner's current version when the
-group had no replica left, and the group rejoins the weight schedule with it; else the group's version, so every
-replica of a group samples with the same weights), and only then joins its group's weight sync, the health monitor
-and verl's load balancer.
+background thread while the learner trains (:class:`ReplacementStarter`). Once started, the learner's weight sync
+admits it at a safe point, by its transport: with simulated delay (:func:`admit`), when the actor holds exactly the
+weights the schedule calls the newest (after a step's publish, or while it waits for data), it installs the weights
+its sampler group holds from the learner's host snapshots (the learner's current version when the group had no
+replica left, and the group rejoins the weight schedule with it; else the group's version, so every replica of a
+group samples with the same weights); with the relay, the replica pulls the newest version from the store itself
+and is installed once it has arrived. Only then does it join (:func:`enlist`) its group's weight sync, the health
+monitor and verl's load balancer.
 """
 
 from __future__ import annotations
@@ -87,11 +89,11 @@ def launch(manager: Any, rank: int, group: int) -> Any | None:
 
 
 class ReplacementStarter:
-    """Replacements being started in a background thread, admitted by the learner's thread when ready."""
+    """Replacements being started in a background thread; the learner's thread collects the started ones
+    (:meth:`started`) and its weight sync admits each the way its transport installs weights."""
 
-    def __init__(self, sync: Any, snapshot_key: Callable[[int], str]) -> None:
+    def __init__(self, sync: Any) -> None:
         self.sync = sync
-        self.snapshot_key = snapshot_key
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gepo-hetero-replacement")
         self._starting: list[tuple[Future, int]] = []
 
@@ -102,56 +104,35 @@ class ReplacementStarter:
         self._starting.append((self._pool.submit(launch, self.sync.server_manager, rank, group), group))
         logger.warning("hetero: starting a replacement (rank %d) for sampler group %d", rank, group)
 
-    def admit_ready(self) -> list[int]:
-        """Admit every replacement that has started (learner's thread, at a safe point); returns their ids."""
+    def started(self) -> list[tuple[int, Any]]:
+        """(group, replica) of every replacement that has started since the last call (learner's thread, at a safe
+        point); one that failed to start is logged and abandoned in the roster."""
         ready, waiting = [], []
         for entry in self._starting:  # one look at each future: one that finishes meanwhile waits for the next call
             (ready if entry[0].done() else waiting).append(entry)
         self._starting = waiting
-        joined = []
+        out = []
         for future, group in ready:
             try:
                 replica = future.result()
             except Exception:
                 logger.exception("hetero: a replacement for sampler group %d failed to start", group)
                 replica = None
-            member = admit(self.sync, group, replica, self.snapshot_key) if replica is not None else None
-            if member is None:
+            if replica is None:
                 self.sync.roster.abandon_replacement(group)
             else:
-                joined.append(member)
-        return joined
+                out.append((group, replica))
+        return out
 
 
-def admit(sync: Any, group: int, replica: Any, snapshot_key: Callable[[int], str]) -> int | None:
-    """Install sampler ``group``'s weights on a started ``replica`` and let it serve; returns its roster id, or
-    None (the replica stopped and freed) when it was lost before it could take its weights.
-
-    ``sync`` is the run's ``DelayedWeightSync`` (its groups, roster, schedule and snapshots, whose keys
-    ``snapshot_key`` gives). Call it only while the actor holds the schedule's newest version."""
-    manager, schedule = sync.server_manager, sync.schedule
-    rejoining = not sync.roster.alive(group)
-    version = schedule.latest if rejoining else schedule.held[group]
-    installer = CheckpointEngineManager(sync.config, sync.actor_wg, [replica])
-    if version != schedule.latest:
-        sync.actor_wg.restore_model_from_cpu(snapshot_key(version))
-    try:
-        installer.update_weights(version)
-    except RayError:
-        logger.exception("hetero: a replacement for sampler group %d was lost before it took its weights", group)
-        fence(replica)
-        release_resources(replica)
-        return None
-    finally:
-        if version != schedule.latest:
-            sync.actor_wg.restore_model_from_cpu(snapshot_key(schedule.latest))
-    if group in sync.paused:
-        installer.abort_replicas()  # its group waits for newer weights (admission control)
+def enlist(sync: Any, group: int, replica: Any, version: int) -> int:
+    """A replacement that holds ``version`` joins ``group``: the roster, the group's weight sync, the health monitor
+    and verl's load balancer and replica lists; returns its roster id. (What every transport shares, after it has
+    installed the weights its own way.)"""
+    manager = sync.server_manager
     member = sync.roster.join(group)
     sync.members[member] = replica
     sync.groups[group].add_replicas([replica])
-    if rejoining:
-        schedule.rejoin(group)
     if sync.monitor is not None:
         sync.monitor.watch(member, replica.servers)
     manager.rollout_replicas.append(replica)
@@ -165,4 +146,40 @@ def admit(sync: Any, group: int, replica: Any, snapshot_key: Callable[[int], str
         group,
         version,
     )
+    return member
+
+
+def abandon(replica: Any) -> None:
+    """A started replacement that cannot join: stop it and free its devices."""
+    fence(replica)
+    release_resources(replica)
+
+
+def admit(sync: Any, group: int, replica: Any, snapshot_key: Callable[[int], str]) -> int | None:
+    """Install sampler ``group``'s weights on a started ``replica`` from the learner's host snapshots and let it
+    serve; returns its roster id, or None (the replica stopped and freed) when it was lost before it could take its
+    weights.
+
+    ``sync`` is the run's ``DelayedWeightSync`` (its groups, roster, schedule and snapshots, whose keys
+    ``snapshot_key`` gives). Call it only while the actor holds the schedule's newest version."""
+    schedule = sync.schedule
+    rejoining = not sync.roster.alive(group)
+    version = schedule.latest if rejoining else schedule.held[group]
+    installer = CheckpointEngineManager(sync.config, sync.actor_wg, [replica])
+    if version != schedule.latest:
+        sync.actor_wg.restore_model_from_cpu(snapshot_key(version))
+    try:
+        installer.update_weights(version)
+    except RayError:
+        logger.exception("hetero: a replacement for sampler group %d was lost before it took its weights", group)
+        abandon(replica)
+        return None
+    finally:
+        if version != schedule.latest:
+            sync.actor_wg.restore_model_from_cpu(snapshot_key(schedule.latest))
+    if group in sync.paused:
+        installer.abort_replicas()  # its group waits for newer weights (admission control)
+    member = enlist(sync, group, replica, version)
+    if rejoining:
+        schedule.rejoin(group)
     return member

@@ -56,7 +56,7 @@ from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.hetero.weight_schedule import Delivery, WeightArrivalSchedule
 from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.hetero.health import HealthMonitor, probe
-from gepo_plugin.verl_glue.hetero.replacement import ReplacementStarter
+from gepo_plugin.verl_glue.hetero.replacement import ReplacementStarter, admit
 from gepo_plugin.verl_glue.hetero.replicas import fence, forget_replica, release_resources
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class DelayedWeightSync:
             self.monitor.start()
         self.replacements: ReplacementStarter | None = None
         if settings.config.replace_failed and server_manager is not None:
-            self.replacements = ReplacementStarter(self, snapshot_key)
+            self.replacements = ReplacementStarter(self)
         kind = "simulated weight delay" if settings.simulates_delay else "no weight delay"
         logger.info("hetero: %d sampler group(s) of sizes %s with %s", len(sizes), list(sizes), kind)
 
@@ -156,7 +156,13 @@ class DelayedWeightSync:
         run when the last one failed to start and no sampler is left."""
         if self.replacements is None:
             return []
-        joined = self.replacements.admit_ready()
+        joined = []
+        for group, replica in self.replacements.started():
+            member = admit(self, group, replica, snapshot_key)
+            if member is None:
+                self.roster.abandon_replacement(group)
+            else:
+                joined.append(member)
         self.roster.require_any()
         return joined
 

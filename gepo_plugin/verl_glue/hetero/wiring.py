@@ -2,7 +2,9 @@
 
 * ``trainer.v1.sampler.custom_sampler`` -> the plugin's :class:`HeteroReplayBuffer` (verl's hook),
   with the ``hetero`` block as its ``sampler_kwargs``;
-* every Ray process tags rollouts with their server (per-sampler-group throughput);
+* every Ray process tags rollouts with their server (per-sampler-group throughput), and knows the custom resource
+  of the learner's nodes (``hetero.learner_resource``), where verl's own services are kept
+  (:mod:`gepo_plugin.verl_glue.hetero.placement`);
 * with ``hetero.transport=relay``: verl's checkpoint engine is the relay (``checkpoint_engine.backend=relay``, its
   module imported by verl in every process that builds one, its options the ``hetero.relay`` block), and the run
   id defaults to ``trainer.project_name/trainer.experiment_name``.
@@ -36,6 +38,7 @@ from gepo_plugin.config_tree import NO_USER_KEYS, UserKeys
 from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE, RELAY_ENGINE_MODULE
 from gepo_plugin.verl_glue.errors import PluginConfigError
+from gepo_plugin.verl_glue.hetero.placement import ENV as PLACEMENT_ENV
 from gepo_plugin.verl_glue.hetero.server_identity import ENV as SERVER_ID_ENV
 
 SAMPLER_PATH = "pkg://gepo_plugin.verl_glue.hetero.replay_buffer"
@@ -66,6 +69,11 @@ def apply_hetero(config: DictConfig, settings: HeteroSettings, explicit: UserKey
     OmegaConf.update(config, SAMPLER_KWARGS, "${" + HETERO + "}", force_add=True)
     # every Ray process tags rollouts with their server (patches/server_identity.py): per-group throughput
     OmegaConf.update(config, f"{RAY_ENV_VARS}.{SERVER_ID_ENV}", "1", force_add=True)
+    # verl's own services stay on the learner's nodes (patches/learner_placement.py)
+    # (the value itself: verl hands Ray the runtime env's variables without resolving interpolations)
+    if settings.config.learner_resource is not None:
+        resource = settings.config.learner_resource
+        OmegaConf.update(config, f"{RAY_ENV_VARS}.{PLACEMENT_ENV}", resource, force_add=True)
     if settings.relay is not None:
         _own(
             config,
