@@ -296,7 +296,7 @@ class RelayWeightSync(DelayedWeightSync):
         self.deliveries[group] += 1
         if group in self.paused and self.settings.policy.may_start(self.schedule.latest, self.schedule.held[group]):
             self.paused.discard(group)
-            self.groups[group].resume_generation_replicas()
+            self._on_group(group, lambda manager: manager.resume_generation_replicas())
         elif group not in self.paused:
             manager.resume_generation_replicas()
         return True

@@ -214,11 +214,16 @@ class DelayedWeightSync:
         self.roster.require_any()
 
     def _push(self, group: int, version: int) -> None:
-        """Install ``version`` on ``group``'s replicas; a replica lost during the call is retired and the install
-        retried on the others (an error with every replica answering is re-raised)."""
+        """Install ``version`` on ``group``'s replicas (resuming them too)."""
+        self._on_group(group, lambda manager: manager.update_weights(version))
+
+    def _on_group(self, group: int, call: Callable[[CheckpointEngineManager], object]) -> None:
+        """Run ``call`` on ``group``'s weight-sync manager. A replica lost before or during the call (the health
+        monitor may have fenced it since the last safe point) is retired and the call retried on the others; an
+        error with every replica answering is re-raised."""
         while self.roster.alive(group):
             try:
-                self.groups[group].update_weights(version)  # resumes the group's replicas too
+                call(self.groups[group])
                 return
             except RayError:
                 if self.monitor is None:  # hetero.health.enable=false: a lost sampler stops the run
@@ -233,13 +238,13 @@ class DelayedWeightSync:
 
     # Replica controls verl's trainer calls on its standalone manager.
     def abort_replicas(self, reject_request: bool = False) -> None:
-        for group in self.groups:
-            group.abort_replicas(reject_request=reject_request)
+        for index in self.roster.live_groups():
+            self._on_group(index, lambda manager: manager.abort_replicas(reject_request=reject_request))
 
     def resume_generation_replicas(self) -> None:
-        for index, group in enumerate(self.groups):
+        for index in self.roster.live_groups():
             if index not in self.paused:
-                group.resume_generation_replicas()
+                self._on_group(index, lambda manager: manager.resume_generation_replicas())
 
     @property
     def replicas(self) -> list:
@@ -296,7 +301,7 @@ class DelayedWeightSync:
             if not self.schedule.live[index]:
                 continue
             if index not in self.paused and not policy.may_start(learner_version, held):
-                self.groups[index].abort_replicas()
+                self._on_group(index, lambda manager: manager.abort_replicas())
                 self.paused.add(index)
 
     def metrics(self, learner_version: int) -> dict[str, float]:
