@@ -33,6 +33,12 @@ class OutageProxy:
         self.resets = 0
         threading.Thread(target=self._accept, name="outage-proxy", daemon=True).start()
 
+    @classmethod
+    def in_front_of(cls, endpoint: str) -> OutageProxy:
+        """A proxy for the HTTP endpoint ``http://host:port``."""
+        host, port = endpoint.removeprefix("http://").split(":")
+        return cls(host, int(port))
+
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"

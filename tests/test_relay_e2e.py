@@ -121,8 +121,7 @@ def test_relay_over_s3_rides_out_an_outage_and_corruption_replaces_a_lost_node_r
 ):
     with s3_server() as (bucket, options), ray_nodes(head_gpus=2, worker_gpus=[1, 1, 1]) as cluster:
         address = cluster.address
-        host, port = options["client_kwargs"]["endpoint_url"].removeprefix("http://").split(":")
-        proxy = OutageProxy(host, int(port))
+        proxy = OutageProxy.in_front_of(options["client_kwargs"]["endpoint_url"])
         url = f"{bucket}/runs"
         experiment = "relay_e2e"
         workdir = tmp_path / experiment  # its checkpoints, metrics and log

@@ -26,6 +26,12 @@ from gepo_plugin.hetero.relay.store import RelayStore, RelayStoreError
 QUICK_FAILURE = {"config_kwargs": {"connect_timeout": 2, "read_timeout": 5, "retries": {"max_attempts": 1}}}
 
 
+def behind_a_proxy(options: dict) -> tuple[OutageProxy, dict]:
+    """A proxy in front of the S3 server, and the storage options that reach the server through it (failing fast)."""
+    proxy = OutageProxy.in_front_of(options["client_kwargs"]["endpoint_url"])
+    return proxy, {**options, "client_kwargs": {"endpoint_url": proxy.endpoint}, **QUICK_FAILURE}
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
@@ -180,10 +186,7 @@ def test_publishing_rides_out_a_store_outage_and_the_samplers_catch_up_exactly(s
     publish calls go on returning, the versions it could not publish are coalesced, and when the store is back the
     newest is published and a sampler that kept polling through the outage holds it bit for bit."""
     url, options = s3
-    endpoint = options["client_kwargs"]["endpoint_url"]
-    host, port = endpoint.removeprefix("http://").split(":")
-    proxy = OutageProxy(host, int(port))
-    flaky = {**options, "client_kwargs": {"endpoint_url": proxy.endpoint}, **QUICK_FAILURE}
+    proxy, flaky = behind_a_proxy(options)
     store = RelayStore(f"{url}/outage", flaky, retry=FAST_RETRY)
     publisher = RelayPublisher(store, "run", RelayConfig(keyframe_every=100, outage_s=120))
     follower = RelayFollower(
@@ -220,10 +223,7 @@ def test_publishing_rides_out_a_store_outage_and_the_samplers_catch_up_exactly(s
 
 def test_an_outage_longer_than_its_budget_stops_with_the_url_and_the_fix(s3) -> None:
     url, options = s3
-    endpoint = options["client_kwargs"]["endpoint_url"]
-    host, port = endpoint.removeprefix("http://").split(":")
-    proxy = OutageProxy(host, int(port))
-    flaky = {**options, "client_kwargs": {"endpoint_url": proxy.endpoint}, **QUICK_FAILURE}
+    proxy, flaky = behind_a_proxy(options)
     store = RelayStore(f"{url}/long-outage", flaky, retry=FAST_RETRY)
     publisher = RelayPublisher(store, "run", RelayConfig(outage_s=4))
     learner = Learner()
