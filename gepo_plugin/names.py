@@ -16,6 +16,8 @@ ENTRY_POINT_MODULE = "gepo_plugin.entry_point"
 #: verl imports in every process that builds an engine (``checkpoint_engine.custom_backend_module``).
 RELAY_CHECKPOINT_ENGINE = "relay"
 RELAY_ENGINE_MODULE = "gepo_plugin.verl_glue.hetero.relay_engine"
+#: ``actor_rollout_ref.rollout.name`` of verl's vLLM rollout.
+VLLM_ROLLOUT = "vllm"
 
 
 def verl_version_supported(version: str) -> bool:

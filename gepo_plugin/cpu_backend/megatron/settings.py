@@ -7,25 +7,15 @@ CPU, a missing extra or an unverified parallel layout stops the run before Ray s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from omegaconf import DictConfig, OmegaConf
 
 from gepo_plugin import config_keys as keys
 from gepo_plugin.cpu_backend.megatron import MEGATRON_ROLES, megatron_selected
+from gepo_plugin.cpu_backend.requirements import Requirement, as_settings, refuse_contradictions
 from gepo_plugin.verl_glue.errors import PluginConfigError
 
 #: The pip extra that installs what the CPU Megatron engine needs.
 EXTRA = "gepo-plugin[megatron-cpu]"
-
-
-@dataclass(frozen=True)
-class Requirement:
-    """A value a CPU Megatron run must have, and why (the launcher fills it in; an explicit other value fails)."""
-
-    key: str
-    value: object
-    why: str
 
 
 #: Per-role requirements (``<role>.megatron.<suffix>``), for every role on the Megatron engine.
@@ -97,21 +87,15 @@ def megatron_cpu_settings(config: DictConfig) -> dict[str, object]:
     """What a CPU Megatron run needs (empty unless the actor is on the Megatron engine)."""
     if not megatron_selected(config):
         return {}
-    return {requirement.key: requirement.value for requirement in requirements(config)}
+    return as_settings(requirements(config))
 
 
 def _install_problem() -> str | None:
     """Why the extra's packages cannot serve the CPU patches (absent, or another version), or None."""
-    import importlib
-
-    from gepo_plugin import patching
     from gepo_plugin.cpu_backend.megatron.engines import PATCH_NAMES
+    from gepo_plugin.patching import first_version_problem
 
-    for name in PATCH_NAMES:
-        problem = patching.version_problem(importlib.import_module(f"gepo_plugin.patches.{name}").PATCH)
-        if problem is not None:
-            return f"the CPU patch {name!r}: {problem}"
-    return None
+    return first_version_problem(PATCH_NAMES)
 
 
 def check_megatron_cpu(config: DictConfig) -> None:
@@ -125,13 +109,7 @@ def check_megatron_cpu(config: DictConfig) -> None:
             "0.16.1 and mbridge 0.15.1, the versions the CPU patches were written for), or drop model_engine=megatron "
             "to train with FSDP2 on the CPU."
         )
-    for requirement in requirements(config):
-        found = OmegaConf.select(config, requirement.key, default=None)
-        if found != requirement.value:
-            raise PluginConfigError(
-                f"{requirement.key}={found!r} cannot work with model_engine=megatron on trainer.device=cpu: "
-                f"{requirement.why}. Fix: remove the override (the CPU backend sets {requirement.value!r})."
-            )
+    refuse_contradictions(config, requirements(config), "model_engine=megatron on trainer.device=cpu")
     for role in _roles(config):
         for size in PARALLEL_SIZES:
             key = f"{role}.megatron.{size}"

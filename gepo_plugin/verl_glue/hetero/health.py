@@ -5,6 +5,10 @@ holds its requests forever. The probe is the rollout server's ``get_server_addre
 vLLM, SGLang, TensorRT-LLM and the plugin's CPU server). It runs on the server's event loop, so a server whose
 loop is blocked does not answer it (Ray's own ``__ray_ready__`` would, from another thread). A probe that raises
 ``RayActorError`` means the server's process is gone (*died*); one unanswered for ``timeout_s`` means *hung*.
+A server whose process lives but whose inference engine died (vLLM's engine-core process killed: verl's
+``vLLMHttpServer`` keeps answering while every request on it waits for ever) is *died* too: beside the address, each
+probe asks the server, on its own event loop, whether its engine reports itself dead
+(:func:`~gepo_plugin.verl_glue.hetero.engine_probe.engine_error`: vLLM's ``AsyncLLM.errored``); the cause is logged.
 
 :class:`HealthMonitor` probes from a background thread every ``interval_s``, so a death is seen within about
 ``2 x interval_s`` and a hang within ``timeout_s + interval_s``, whatever the learner is doing. It only reports
@@ -26,11 +30,21 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from gepo_plugin.hetero.settings import HealthConfig
+from gepo_plugin.verl_glue.hetero.engine_probe import ENGINE_DIED, engine_error
 
 logger = logging.getLogger(__name__)
 
 #: The server method used as the probe (present on every verl rollout server).
 PROBE_METHOD = "get_server_address"
+
+
+def send_probes(servers: Sequence[ActorHandle]) -> list:
+    """One probe of each server: its address (answered on its event loop), and its engine's state."""
+    refs = []
+    for server in servers:
+        refs.append(getattr(server, PROBE_METHOD).remote())
+        refs.append(server.__ray_call__.remote(engine_error))
+    return refs
 
 
 @dataclass
@@ -41,31 +55,37 @@ class _Probe:
 
 def probe(servers: Mapping[int, Sequence[ActorHandle]], timeout_s: float) -> dict[int, str]:
     """Probe each replica's servers once; returns ``replica -> "died" | "hung"`` for those that failed."""
-    probes = {replica: [getattr(s, PROBE_METHOD).remote() for s in handles] for replica, handles in servers.items()}
+    probes = {replica: send_probes(handles) for replica, handles in servers.items()}
     refs = [ref for group in probes.values() for ref in group]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
     ready = set(ready)
     lost: dict[int, str] = {}
     for replica, group in probes.items():
-        verdict = _verdict(group, ready)
+        verdict, cause = _verdict(group, ready)
         if verdict is None and not all(ref in ready for ref in group):
             verdict = "hung"
         if verdict is not None:
+            if cause:
+                logger.warning("hetero: sampler replica %d: %s", replica, cause)
             lost[replica] = verdict
     return lost
 
 
-def _verdict(refs: list, ready: set) -> str | None:
-    """``died`` if any answered probe raised ``RayActorError``, else None (other errors are not a loss)."""
+def _verdict(refs: list, ready: set) -> tuple[str | None, str | None]:
+    """(``died``, its cause) if an answered probe raised ``RayActorError`` or reported a dead engine; else (None,
+    None): other errors are not a loss."""
     for ref in refs:
         if ref in ready:
             try:
-                ray.get(ref)
-            except RayActorError:
-                return "died"
+                answer = ray.get(ref)
+            except RayActorError as error:
+                return "died", f"its process is gone ({type(error).__name__})"
             except Exception as error:  # a server that answers with an error is alive
                 logger.debug("hetero: probe answered with %r", error)
-    return None
+                continue
+            if isinstance(answer, str) and answer.startswith(ENGINE_DIED):
+                return "died", answer
+    return None, None
 
 
 class HealthMonitor:
@@ -83,6 +103,8 @@ class HealthMonitor:
         self._servers: dict[int, list[ActorHandle]] = {}
         self._last_ok: dict[int, float] = {}
         self._probes: dict[int, _Probe] = {}
+        #: replica -> why it was declared lost (for the log and the error that stops a run without samplers)
+        self.causes: dict[int, str] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -125,20 +147,23 @@ class HealthMonitor:
             ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
             lost: list[tuple[int, str, float]] = []
             for replica, pending in list(self._probes.items()):
-                verdict = _verdict(pending.refs, ready)
+                verdict, cause = _verdict(pending.refs, ready)
                 if verdict == "died":
+                    self.causes[replica] = cause
                     lost.append((replica, "died", now - self._last_ok.get(replica, pending.sent)))
                 elif all(ref in ready for ref in pending.refs):
                     self._last_ok[replica] = now
                     del self._probes[replica]
                 elif now - pending.sent > self.config.timeout_s:
+                    self.causes[replica] = f"no answer to a probe within {self.config.timeout_s:g} s"
                     lost.append((replica, "hung", now - pending.sent))
             for replica, _, _ in lost:
                 self.forget(replica)
             for replica, servers in self._servers.items():
                 if replica not in self._probes:
-                    self._probes[replica] = _Probe([getattr(s, PROBE_METHOD).remote() for s in servers], now)
+                    self._probes[replica] = _Probe(send_probes(servers), now)
         for replica, kind, detect_s in lost:
-            logger.warning("hetero: sampler replica %d %s (detected after %.1f s)", replica, kind, detect_s)
+            cause = self.causes[replica]
+            logger.warning("hetero: sampler replica %d %s (detected after %.1f s): %s", replica, kind, detect_s, cause)
             self.on_lost(replica, kind, detect_s)
         return lost

@@ -1,0 +1,76 @@
+"""A rollout engine that dies ends a run without HeteroRL at once, with an error naming the replica and the cause.
+
+verl 0.9.1 has no health check of its rollout servers. When a vLLM engine dies (its engine-core process killed, an
+illegal instruction, out of memory), verl's ``vLLMHttpServer`` actor lives on and every request on it waits for
+ever: a synchronous trainer hangs. Without HeteroRL there is no other sampler to go on with, so the plugin's trainers
+watch their rollout replicas with the same probes as HeteroRL's health monitor
+(:mod:`gepo_plugin.verl_glue.hetero.health`: the server's process, and its engine), and on a death stop the
+replica's servers and interrupt the trainer's thread (verl's agent loop would otherwise keep waiting for the
+lost requests: ``_thread.interrupt_main``, the way Ray itself cancels a task); the trainer then raises
+:class:`RolloutReplicaLost`, naming the replica and what was found. A server that is only slow is left alone (no
+hang verdict here: a long pause of a healthy server must not end a run).
+"""
+
+from __future__ import annotations
+
+import _thread
+import logging
+import threading
+from typing import Any
+
+import ray
+
+from gepo_plugin.hetero.settings import HealthConfig
+from gepo_plugin.verl_glue.hetero.health import HealthMonitor
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutReplicaLost(RuntimeError):
+    """A rollout replica died in a run that has no other sampler to go on with."""
+
+
+class RolloutWatchdog:
+    """Watches verl's rollout replicas; a death stops the replica's servers and is raised by :meth:`raise_if_lost`."""
+
+    def __init__(self, replicas: list[Any], config: HealthConfig | None = None) -> None:
+        self.replicas = dict(enumerate(replicas))
+        self.lost: dict[int, str] = {}
+        #: the trainer's loop runs on the thread that builds the watchdog; only the main thread can be interrupted
+        self._interruptible = threading.current_thread() is threading.main_thread()
+        self.monitor = HealthMonitor(config or HealthConfig(), self._on_lost)
+        for index, replica in self.replicas.items():
+            self.monitor.watch(index, replica.servers)
+        self.monitor.start()
+
+    def _on_lost(self, index: int, kind: str, detect_s: float) -> None:
+        if kind != "died":
+            self.monitor.watch(index, self.replicas[index].servers)  # slow is not dead here: keep watching
+            return
+        replica = self.replicas[index]
+        cause = self.monitor.causes.get(index, kind)
+        self.lost[index] = (
+            f"rollout replica {replica.replica_rank} (server {replica.server_address}) died, detected after "
+            f"{detect_s:.1f} s: {cause}"
+        )
+        logger.error("gepo-plugin: %s; stopping its servers so the requests waiting on it fail", self.lost[index])
+        for server in replica.servers:  # (its workers may be the learner's own, in a colocated run: left alone)
+            try:
+                ray.kill(server, no_restart=True)
+            except Exception as error:
+                logger.debug("gepo-plugin: kill of a dead rollout server: %r", error)
+        if self._interruptible:
+            _thread.interrupt_main()  # the trainer's wait ends with KeyboardInterrupt; fit turns it into the error
+
+    def raise_if_lost(self, error: BaseException | None = None) -> None:
+        """Raise :class:`RolloutReplicaLost` (from ``error``) if a replica died."""
+        if self.lost:
+            message = "; ".join(self.lost.values())
+            raise RolloutReplicaLost(
+                f"{message}. The run cannot go on without it (no other sampler without HeteroRL): fix the cause "
+                "(for vLLM on a CPU see the engine's log above) and resume from the last checkpoint "
+                "(trainer.resume_mode=auto)"
+            ) from error
+
+    def stop(self) -> None:
+        self.monitor.stop()
