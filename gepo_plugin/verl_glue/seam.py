@@ -576,9 +576,25 @@ def warn_if_untested() -> None:
         logger.warning(message)
 
 
+@contextlib.contextmanager
+def _logging_as_found():
+    """Checking a contact imports its module, and must leave the process's logging as it was: verl's vLLM server
+    module imports ``model_hosting_container_standards``, which sets the root logger and its handlers to ERROR
+    (see :mod:`gepo_plugin.verl_glue.vllm_logging`)."""
+    root = logging.getLogger()
+    level, handlers = root.level, [(handler, handler.level) for handler in root.handlers]
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        for handler, handler_level in handlers:
+            handler.setLevel(handler_level)
+
+
 def _lookup(contact: Contact) -> tuple[Any, str, Any]:
     """(owner object, attribute name, value) of a contact; raises ImportError/AttributeError."""
-    with warnings.catch_warnings():  # megatron-core announces, at import, the GPU kernels a CPU host lacks
+    with warnings.catch_warnings(), _logging_as_found():  # megatron-core announces, at import, the GPU kernels a
+        # CPU host lacks
         warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning)
         owner: Any = importlib.import_module(contact.module)
     *path, attribute = contact.qualname.split(".")
