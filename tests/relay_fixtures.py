@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -52,6 +53,8 @@ def s3_server() -> Iterator[tuple[str, dict]]:
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     try:
         host, port = server.get_host_and_port()
+        # moto keeps its buckets in module state shared by every server of this process: start from none
+        urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST"))
         options = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}, "skip_instance_cache": True}
         store = RelayStore("s3://relay-bucket", options, retry=FAST_RETRY)
         store.fs.mkdir("relay-bucket")

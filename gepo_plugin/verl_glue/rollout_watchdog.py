@@ -24,6 +24,8 @@ from gepo_plugin.hetero.settings import HealthConfig
 from gepo_plugin.verl_glue.hetero.health import HealthMonitor
 
 logger = logging.getLogger(__name__)
+#: Seconds between interrupts of the trainer's thread after a replica died, until the run has stopped.
+INTERRUPT_EVERY_S = 5.0
 
 
 class RolloutReplicaLost(RuntimeError):
@@ -38,6 +40,7 @@ class RolloutWatchdog:
         self.lost: dict[int, str] = {}
         #: the trainer's loop runs on the thread that builds the watchdog; only the main thread can be interrupted
         self._interruptible = threading.current_thread() is threading.main_thread()
+        self._stopped = threading.Event()
         self.monitor = HealthMonitor(config or HealthConfig(), self._on_lost)
         for index, replica in self.replicas.items():
             self.monitor.watch(index, replica.servers)
@@ -60,7 +63,16 @@ class RolloutWatchdog:
             except Exception as error:
                 logger.debug("gepo-plugin: kill of a dead rollout server: %r", error)
         if self._interruptible:
+            threading.Thread(
+                target=self._interrupt_until_stopped, name="rollout-watchdog-interrupt", daemon=True
+            ).start()
+
+    def _interrupt_until_stopped(self) -> None:
+        """Interrupt the trainer's thread until ``fit`` has turned it into the error and stopped the watchdog: code
+        that catches the interrupt on its way (Ray's and asyncio's internals) must not let the wait go on."""
+        while not self._stopped.is_set():
             _thread.interrupt_main()  # the trainer's wait ends with KeyboardInterrupt; fit turns it into the error
+            self._stopped.wait(INTERRUPT_EVERY_S)
 
     def raise_if_lost(self, error: BaseException | None = None) -> None:
         """Raise :class:`RolloutReplicaLost` (from ``error``) if a replica died."""
@@ -73,4 +85,5 @@ class RolloutWatchdog:
             ) from error
 
     def stop(self) -> None:
+        self._stopped.set()
         self.monitor.stop()
