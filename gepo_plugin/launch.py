@@ -37,11 +37,10 @@ from gepo_plugin.config_keys import (
     HETERO_ENABLE,
     HETERO_LEARNER_RESOURCE,
     HYBRID_ENGINE,
-    ROLLOUT_NAME,
     TRAINER_MODE,
 )
 from gepo_plugin.config_tree import UserKeys, leaves
-from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE, VLLM_ROLLOUT
+from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE
 
 #: Hydra flags that take a value (``--flag value`` or ``--flag=value``).
 FLAGS_WITH_VALUE = frozenset(
@@ -130,7 +129,7 @@ def settle(config: DictConfig, explicit: UserKeys) -> tuple[DictConfig, list[str
     from gepo_plugin.verl_glue.presets import apply_loss_preset, apply_settings
     from gepo_plugin.verl_glue.trainer_mode import settle_trainer_mode
     from gepo_plugin.verl_glue.validation import check_device, validate_plugin_config
-    from gepo_plugin.verl_glue.vllm_logging import vllm_logging_settings
+    from gepo_plugin.verl_glue.vllm_rollout import vllm_logging_settings
 
     settled = copy.deepcopy(config)
     preset = apply_loss_preset(settled, explicit)
@@ -164,6 +163,7 @@ def features_needed(config: DictConfig) -> list[str]:
     """The seam features (verl internals) a settled config will use, checked before anything starts."""
     from gepo_plugin.cpu_backend import CPU_PLATFORM
     from gepo_plugin.names import GEPO_TRAINER_FOR_MODE
+    from gepo_plugin.verl_glue.vllm_rollout import uses_vllm_rollout
 
     features = []
     mode = OmegaConf.select(config, TRAINER_MODE)
@@ -171,7 +171,7 @@ def features_needed(config: DictConfig) -> list[str]:
         features += ["group_term", "metric_aggregation"]
     if mode in (GEPO_TRAINER_FOR_MODE["sync"], GEPO_TRAINER_FOR_MODE["colocate_async"]):
         features.append("rollout_watchdog")
-    if OmegaConf.select(config, ROLLOUT_NAME) == VLLM_ROLLOUT and _vllm_importable(config):
+    if uses_vllm_rollout(config) and _vllm_importable(config):
         features.append("vllm_engine_health")  # (its contact lives in verl's vLLM server module)
     if OmegaConf.select(config, HETERO_ENABLE):
         features.append("hetero")
@@ -187,7 +187,7 @@ def features_needed(config: DictConfig) -> list[str]:
         features.append("cpu_backend")
         if megatron_selected(config):
             features.append("megatron_cpu")
-        if OmegaConf.select(config, ROLLOUT_NAME) == VLLM_ROLLOUT:
+        if uses_vllm_rollout(config):
             features.append("vllm_cpu")
     return features
 

@@ -580,7 +580,7 @@ def warn_if_untested() -> None:
 def _logging_as_found():
     """Checking a contact imports its module, and must leave the process's logging as it was: verl's vLLM server
     module imports ``model_hosting_container_standards``, which sets the root logger and its handlers to ERROR
-    (see :mod:`gepo_plugin.verl_glue.vllm_logging`)."""
+    (see :mod:`gepo_plugin.verl_glue.vllm_rollout`)."""
     root = logging.getLogger()
     level, handlers = root.level, [(handler, handler.level) for handler in root.handlers]
     try:

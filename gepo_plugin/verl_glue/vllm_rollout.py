@@ -1,4 +1,4 @@
-"""Keep Python's warnings visible in a run that uses verl's vLLM rollout.
+"""verl's vLLM rollout, on any device: whether a run uses it (decided here only), and its warnings kept visible.
 
 vLLM's API server imports ``model_hosting_container_standards`` (a dependency of vLLM), which at import sets the
 root logger, and every handler on it, to ``SAGEMAKER_CONTAINER_LOG_LEVEL`` (default ``ERROR``). Every process that
@@ -19,8 +19,13 @@ from gepo_plugin.names import VLLM_ROLLOUT
 ROOT_LEVEL_ENV = "SAGEMAKER_CONTAINER_LOG_LEVEL"
 
 
+def uses_vllm_rollout(config: DictConfig) -> bool:
+    """The run generates with verl's vLLM rollout (``actor_rollout_ref.rollout.name=vllm``)."""
+    return OmegaConf.select(config, ROLLOUT_NAME) == VLLM_ROLLOUT
+
+
 def vllm_logging_settings(config: DictConfig) -> dict[str, object]:
     """``{ray env var: level}`` for a run with verl's vLLM rollout (empty otherwise)."""
-    if OmegaConf.select(config, ROLLOUT_NAME) != VLLM_ROLLOUT:
+    if not uses_vllm_rollout(config):
         return {}
     return {f"{RAY_ENV_VARS}.{ROOT_LEVEL_ENV}": os.environ.get(ROOT_LEVEL_ENV, "WARNING")}
