@@ -10,6 +10,7 @@ anything is printed or started.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import sys
@@ -60,7 +61,19 @@ def _run(config: DictConfig) -> None:
         place_task_runner(resource)
     from verl.trainer.main_ppo import main as verl_main
 
-    verl_main(config)  # Hydra's decorated main runs the task function directly when given a config
+    with _releasing_weight_buckets(config):
+        verl_main(config)  # Hydra's decorated main runs the task function directly when given a config
+
+
+def _releasing_weight_buckets(config: DictConfig) -> contextlib.AbstractContextManager:
+    """A CPU vLLM run releases the weight buckets a stopped run leaves in /dev/shm (see ``weight_buckets``)."""
+    from gepo_plugin.verl_glue.vllm_rollout import uses_vllm_rollout
+
+    if config.trainer.device != "cpu" or not uses_vllm_rollout(config):
+        return contextlib.nullcontext()
+    from gepo_plugin.cpu_backend.vllm.weight_buckets import buckets_released_around_run
+
+    return buckets_released_around_run(lambda line: logger.warning("gepo-plugin: %s", line))
 
 
 def _sets_group(command: CommandLine, group: str) -> bool:

@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,14 @@ def vllm_overrides(tiny: dict[str, str], workdir: Path, mode: str, steps: int, *
         "algorithm.rollout_correction.bypass_mode=false",
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
     ]
+
+
+def abandoned_bucket() -> str:
+    """A weight bucket named the way verl names one, that no process holds (its creator was killed)."""
+    bucket = shared_memory.SharedMemory(name=f"verl_weights_{os.urandom(16).hex()}", create=True, size=1 << 16)
+    resource_tracker.unregister(bucket._name, "shared_memory")  # as if killed: nothing unlinks it
+    bucket.close()
+    return bucket.name
 
 
 def shm_names() -> set[str]:
@@ -207,6 +216,7 @@ def test_sync_gepo_with_vllm_trains_checkpoints_resumes_and_agrees_with_the_lear
 @needs_gpus(1)
 def test_a_vllm_engine_killed_mid_generation_stops_a_sync_run_naming_the_replica(tiny_vllm, tmp_path):
     before = shm_names()
+    leftover = abandoned_bucket()  # what a run killed while its sender waited for a dead engine leaves
     process, metrics, log = start(vllm_overrides(tiny_vllm, tmp_path, "sync", steps=30), tmp_path / "run")
     try:
         wait_for_step(process, metrics, 2)
@@ -219,6 +229,7 @@ def test_a_vllm_engine_killed_mid_generation_stops_a_sync_run_naming_the_replica
     assert code != 0
     assert "RolloutReplicaLost" in text and "its inference engine died" in text, text[-5000:]
     assert "rollout replica" in text and "resume from the last checkpoint" in text
+    assert f"an earlier run left in /dev/shm: {leftover}" in text  # released at the run's start
     time.sleep(2)  # the run's processes are gone: what they held is released
     assert shm_names() <= before, sorted(shm_names() - before)
 
