@@ -24,17 +24,25 @@ with one weight sync per step (``parameter_sync_step=1``) and no delay both admi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from common import (
+    add_output_options,
+    cpu_training_metrics,
+    paired_median_ratio,
+    pyplot,
+    run_summary,
+    save_figure,
+    script_parser,
+    write_json_around,
+)
 from tqdm import tqdm
-from verl_runs import run_summary
 
-from gepo_plugin.tiny import cpu_run_overrides, run_cpu_training, write_all
+from gepo_plugin.tiny import cpu_run_overrides, write_all
 
 VARIANTS = ("verl", "hetero", "gepo")
 
@@ -68,16 +76,14 @@ def run_pairs(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
         for pair, variant in tqdm(jobs, desc="runs", unit="run"):
             overrides = overrides_for(variant, tiny, args.steps, args.bound, args.samplers)
             started = time.perf_counter()
-            code, metrics, log = run_cpu_training(overrides, Path(folder) / f"{variant}_{pair}", timeout_s=1200)
-            if code != 0:
-                raise RuntimeError(f"{variant} run {pair} failed (exit {code}):\n{log[-4000:]}")
+            metrics = cpu_training_metrics(overrides, Path(folder) / f"{variant}_{pair}", f"{variant} run {pair}")
             summary = run_summary(metrics, args.skip) | {"wall_s": time.perf_counter() - started}
             results[variant].append(summary)
     return results
 
 
 def paired_ratio(results, top: str, bottom: str, key: str) -> float:
-    return statistics.median(a[key] / b[key] for a, b in zip(results[top], results[bottom], strict=True))
+    return paired_median_ratio((r[key] for r in results[top]), (r[key] for r in results[bottom]))
 
 
 def report(results) -> dict[str, float]:
@@ -105,12 +111,7 @@ def report(results) -> dict[str, float]:
 
 
 def plot(results, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    fig, axes = pyplot().subplots(1, 2, figsize=(8, 3.2))
     for axis, key, label in ((axes[0], "step_s", "step time (s)"), (axes[1], "idle_s", "learner idle (s)")):
         for index, variant in enumerate(VARIANTS):
             values = [r[key] for r in results[variant]]
@@ -119,28 +120,22 @@ def plot(results, path: str) -> None:
         axis.set_xticks(range(len(VARIANTS)), VARIANTS)
         axis.set_ylabel(label)
     fig.suptitle("verl separate_async vs HeteroRL (no delay) vs HeteroRL + GEPO, tiny model on CPU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--pairs", type=int, default=3, help="interleaved (verl, hetero, gepo) triples (default 3)")
     parser.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
     parser.add_argument("--skip", type=int, default=2, help="first steps left out of the medians (default 2)")
     parser.add_argument("--bound", type=int, default=2, help="verl's threshold = HeteroRL's max_lag (default 2)")
     parser.add_argument("--samplers", type=int, default=1, help="rollout replicas (default 1)")
-    parser.add_argument("--json", help="also write every run's summary and the ratios to this JSON file")
-    parser.add_argument("--png", help="also draw step and idle time per variant to this PNG (needs matplotlib)")
+    add_output_options(parser, "every run's summary and the ratios", "step and idle time per variant")
     args = parser.parse_args(argv)
     if args.steps <= args.skip:
         parser.error("--steps must be larger than --skip")
     results = run_pairs(args)
-    if args.json:  # written before the report, so a run's numbers survive a reporting error
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": results}, indent=2))
-    ratios = report(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": results, "ratios": ratios}, indent=2))
+    write_json_around(args.json, {"args": vars(args), "runs": results}, lambda: {"ratios": report(results)})
     if args.png:
         plot(results, args.png)
     return 0

@@ -10,14 +10,13 @@ forward+backward allocates, from torch's profiler (every allocation and free, in
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 
 import numpy as np
 import torch
+from common import add_output_options, median_seconds, script_parser, write_json
 
 LOSSES = ("gepo", "gspo", "vanilla")
 
@@ -146,30 +145,21 @@ def time_group_term(sequences: int, group_size: int, width: int, repeats: int):
     rewards = torch.zeros(sequences, width)
     rewards[:, -1] = torch.randint(0, 2, (sequences,), generator=gen).float()
 
-    def median(fn):
-        fn()
-        values = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            values.append(time.perf_counter() - start)
-        return statistics.median(values)
-
     return {
-        "group term from sequence log-probs": median(
-            lambda: group_log_expectation(seq_log_q, GroupIndex.from_ids(uids))
+        "group term from sequence log-probs": median_seconds(
+            lambda: group_log_expectation(seq_log_q, GroupIndex.from_ids(uids)), repeats
         ),
-        f"group term from token log-probs (x{width} tokens)": median(
-            lambda: group_log_expectation_from_tokens(old, mask, uids)
+        f"group term from token log-probs (x{width} tokens)": median_seconds(
+            lambda: group_log_expectation_from_tokens(old, mask, uids), repeats
         ),
-        "verl grpo advantage estimator (same batch)": median(
-            lambda: compute_grpo_outcome_advantage(rewards, mask, uids, norm_adv_by_std_in_grpo=True)
+        "verl grpo advantage estimator (same batch)": median_seconds(
+            lambda: compute_grpo_outcome_advantage(rewards, mask, uids, norm_adv_by_std_in_grpo=True), repeats
         ),
     }
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--batch", type=int, default=256, help="sequences per loss call (default 256)")
     parser.add_argument("--width", type=int, default=2048, help="response length in tokens (default 2048)")
     parser.add_argument("--group-size", type=int, default=8, help="responses per prompt (default 8)")
@@ -182,7 +172,7 @@ def main(argv=None) -> int:
         "--term-width", type=int, default=256, help="tokens per sequence for the token-level term (default 256)"
     )
     parser.add_argument("--skip-memory", action="store_true", help="skip the peak-memory measurement")
-    parser.add_argument("--json", help="also write the results to this JSON file")
+    add_output_options(parser, "the results")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -205,8 +195,7 @@ def main(argv=None) -> int:
         print(f"  {name:<52}{seconds * 1e3:>10.1f} ms")
     result = {"args": vars(args), "loss_seconds": times, "peak_mib": memory, "group_term_seconds": term}
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+        write_json(args.json, result)
     return 0
 
 

@@ -22,7 +22,6 @@ tiny Llama model of the CPU tests and a Llama-architecture model of about 110M p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import add_output_options, write_json
 from tqdm import tqdm
 
 from gepo_plugin.hetero.relay import codec
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8, help="layers of the large model (default 8: ~110M)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary of the large model (default 32000)")
     parser.add_argument("--skip-large", action="store_true", help="only the tiny model (seconds)")
-    parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
+    add_output_options(parser, "every figure")
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     summaries = []
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         record = {"machine": machine, "models": summaries, "stall": stall, "projection": rows}
-        args.json.write_text(json.dumps(record, indent=2))
+        write_json(args.json, record)
     return 0
 
 

@@ -14,8 +14,6 @@ engine and worker processes, sampled every 0.5 s). Ratios are vllm / hf, measure
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
@@ -24,8 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+from common import add_output_options, run_summary, script_parser, write_json
 from tqdm import tqdm
-from verl_runs import run_summary
 
 from gepo_plugin.tiny import cpu_run_overrides, read_metrics, write_all
 
@@ -96,12 +94,12 @@ def engine_row(engine: str, metrics: dict[int, dict], wall_s: float, peak: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--steps", type=int, default=6, help="training steps per run (default 6)")
     parser.add_argument("--skip", type=int, default=2, help="first steps left out of the medians (default 2)")
     parser.add_argument("--response-length", type=int, default=64, help="data.max_response_length (default 64)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds allowed per run (default 1200)")
-    parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    add_output_options(parser, "the rows")
     args = parser.parse_args(argv)
     prompts, responses = 4, 4
     rows = []
@@ -137,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = vllm[key] / hf[key] if hf[key] else float("nan")
         print(f"{label:>22} {hf[key]:>10.3f} {vllm[key]:>10.3f} {ratio:>9.2f}")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        write_json(args.json, rows)
     return 0
 
 

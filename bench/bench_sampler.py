@@ -29,11 +29,9 @@ schedule draws), a bulk draw of ``--bulk`` values, numpy's ``rng.lognormal`` (ba
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import cProfile
 import io
-import json
 import logging
 import os
 import pstats
@@ -43,6 +41,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import add_output_options, median_seconds, paired_median_ratio, script_parser, write_json
 
 # The rollout side is played by the tests' writer (a test helper, not shipped in the package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -63,6 +62,7 @@ def make_buffer(name: str, args):
     from omegaconf import OmegaConf
     from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
+    from gepo_plugin.hetero.settings import parse_hetero
     from gepo_plugin.verl_glue.hetero.replay_buffer import HeteroReplayBuffer
 
     common = dict(
@@ -77,7 +77,9 @@ def make_buffer(name: str, args):
         return ReplayBufferAsync(sampler_kwargs=OmegaConf.create({}), **common)
     strategy = "drop" if name == HETERO_DROP else "wait"
     hetero = {"enable": True, "max_lag": args.max_lag, "strategy": strategy}
-    return HeteroReplayBuffer(sampler_kwargs=OmegaConf.create(hetero), **common)
+    buffer = HeteroReplayBuffer(sampler_kwargs=OmegaConf.create(hetero), **common)
+    buffer.attach(parse_hetero(hetero))  # as the plugin's trainer does
+    return buffer
 
 
 def drain(tq, buffer, args, global_steps: int, sample_times: list, clear_times: list, profiler=None) -> None:
@@ -165,13 +167,12 @@ def bench_sampler(args) -> dict:
             global_steps += args.spread  # fresh uids and steps for each repetition
         result = {}
         for name in names:
-            paired = [h / v for h, v in zip(rep_medians[name], rep_medians[VERL], strict=True)]
             result[name] = {
                 "sample_ms_median": statistics.median(samples[name]) * 1e3,
                 "sample_ms_p90": float(np.percentile(samples[name], 90) * 1e3),
                 "sample_calls": len(samples[name]),
                 "first_call_ms_median": statistics.median(firsts[name]) * 1e3,
-                "ratio_paired_median": statistics.median(paired),
+                "ratio_paired_median": paired_median_ratio(rep_medians[name], rep_medians[VERL]),
                 "clear_ms_median": statistics.median(clears[name]) * 1e3,
                 "fill_batched_ms_median": statistics.median(fills[name]) * 1e3 if fills[name] else None,
                 "fill_per_group_ms_median": (
@@ -248,14 +249,7 @@ def print_sampler(result: dict, args) -> None:
 # ---------------------------------------------------------------------------------------------- part 2: delays
 def per_call_us(fn, calls: int, repeats: int) -> float:
     """Median over ``repeats`` of the mean µs per call of ``fn`` over ``calls`` calls."""
-    fn()
-    values = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        values.append((time.perf_counter() - start) / calls)
-    return statistics.median(values) * 1e6
+    return median_seconds(fn, repeats, calls) * 1e6
 
 
 def bench_delays(args) -> dict:
@@ -327,7 +321,7 @@ def print_delays(result: dict, args) -> None:
 
 # ---------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     part1 = parser.add_argument_group("part 1: sampler over a real TransferQueue")
     part1.add_argument("--groups", type=int, default=256, help="finished prompt groups per fill (default 256)")
     part1.add_argument("--group-size", type=int, default=8, help="trajectories per group (default 8)")
@@ -408,7 +402,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-sampler", action="store_true", help="skip part 1 (no Ray / TransferQueue)")
     parser.add_argument("--skip-delays", action="store_true", help="skip part 2")
     parser.add_argument("--seed", type=int, default=0, help="seed for versions and delays (default 0)")
-    parser.add_argument("--json", help="also write the results to this JSON file")
+    add_output_options(parser, "the results")
     args = parser.parse_args(argv)
     if args.verl_threshold < args.spread:
         parser.error("--verl-threshold must be >= --spread, or verl would evict groups and the drain would not match")
@@ -435,8 +429,7 @@ def main(argv=None) -> int:
         print_delays(result["delays"], args)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+        write_json(args.json, result)
     return 0
 
 

@@ -21,12 +21,12 @@ Its "sync" is the same schedule run serially: one step's generation on one sampl
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
+from common import add_output_options, max_lag_axis, pyplot, save_figure, script_parser, write_json
 from tqdm import tqdm
 
 #: the tiny verl runs' shape (gepo_plugin.tiny.cpu_run_overrides): prompts per step, answers per prompt, tokens
@@ -135,13 +135,8 @@ def report(rows: list[dict], learner_s: float, sync_gen_s: float, modelled_s: fl
 def plot(rows: list[dict], path: str) -> None:
     import itertools
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [row for row in rows if row["max_lag"] is not None]
-    fig, axis = plt.subplots(figsize=(6, 3.6))
+    fig, axis = pyplot().subplots(figsize=(6, 3.6))
     key = lambda row: (row["samplers"], row["strategy"])  # noqa: E731
     for index, ((samplers, strategy), group) in enumerate(itertools.groupby(sorted(rows, key=key), key=key)):
         group = sorted(group, key=lambda row: row["max_lag"])
@@ -150,24 +145,18 @@ def plot(rows: list[dict], path: str) -> None:
         axis.plot(lags, [row["verl_x_sync"] for row in group], marker="o", color=f"C{index}", label=f"verl: {label}")
         axis.plot(lags, [row["lab_x_sync"] for row in group], marker="x", linestyle="--", color=f"C{index}")
     axis.plot([], [], "k--", marker="x", label="lab simulator (same timings)")
-    axis.axhline(1.0, color="gray", linestyle=":", label="sync")
-    axis.set_xlabel("hetero.max_lag (weight versions)")
+    max_lag_axis(axis, (row["max_lag"] for row in rows), sync_linestyle=":")
     axis.set_ylabel("throughput vs sync")
-    axis.set_xscale("symlog", linthresh=1)
-    ticks = sorted({row["max_lag"] for row in rows})
-    axis.set_xticks(ticks, [str(tick) for tick in ticks])
     axis.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--verl-json", required=True, help="the JSON bench_staleness_throughput.py --json wrote")
     parser.add_argument("--steps", type=int, default=40, help="simulated updates per lab run (default 40)")
     parser.add_argument("--skip", type=int, default=4, help="first updates left out of the rate (default 4)")
-    parser.add_argument("--json", help="also write the comparison to this JSON file")
-    parser.add_argument("--png", help="also draw both curves to this PNG (needs matplotlib)")
+    add_output_options(parser, "the comparison", "both curves")
     args = parser.parse_args(argv)
     if args.steps <= args.skip + 1:
         parser.error("--steps must be larger than --skip + 1")
@@ -177,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     modelled = modelled_batch_seconds(verl["args"], PROMPTS_PER_STEP)
     report(rows, sync["step_s"] - sync["idle_s"], sync["idle_s"], modelled)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        write_json(args.json, {"args": vars(args), "rows": rows})
     if args.png:
         plot(rows, args.png)
     return 0

@@ -18,16 +18,24 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+from common import (
+    add_output_options,
+    cpu_training_metrics,
+    max_lag_axis,
+    pyplot,
+    run_summary,
+    save_figure,
+    script_parser,
+    write_json_around,
+)
 from tqdm import tqdm
-from verl_runs import run_summary
 
-from gepo_plugin.tiny import cpu_run_overrides, run_cpu_training, write_all
+from gepo_plugin.tiny import cpu_run_overrides, write_all
 
 
 def latency_overrides(args: argparse.Namespace) -> list[str]:
@@ -70,9 +78,9 @@ def sweep(args: argparse.Namespace) -> list[dict]:
         tiny = write_all(Path(folder) / "tiny")
         for index, (repeat, (lag, strategy, samplers)) in enumerate(tqdm(plan, desc="runs", unit="run")):
             overrides = run_overrides(tiny, args, lag, strategy, samplers)
-            code, metrics, log = run_cpu_training(overrides, Path(folder) / f"run_{index}", timeout_s=1200)
-            if code != 0:
-                raise RuntimeError(f"run {lag=} {strategy=} {samplers=} failed (exit {code}):\n{log[-4000:]}")
+            metrics = cpu_training_metrics(
+                overrides, Path(folder) / f"run_{index}", f"run {lag=} {strategy=} {samplers=}"
+            )
             mode = "sync" if lag is None else "hetero"
             rows.append(
                 {"mode": mode, "max_lag": lag, "strategy": strategy, "samplers": samplers, "repeat": repeat}
@@ -122,12 +130,7 @@ def report(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(6, 3.6))
+    fig, axis = pyplot().subplots(figsize=(6, 3.6))
     hetero = [row for row in aggregate(rows) if row["mode"] == "hetero"]
     for index, (key, group) in enumerate(itertools.groupby(hetero, key=lambda r: (r["samplers"], r["strategy"]))):
         group = list(group)
@@ -143,19 +146,14 @@ def plot(rows: list[dict], path: str) -> None:
             color=f"C{index}",
             label=f"{key[0]} samplers, {key[1]}",
         )
-    axis.axhline(1.0, color="gray", linestyle="--", label="sync")
-    axis.set_xlabel("hetero.max_lag (weight versions)")
+    max_lag_axis(axis, (r["max_lag"] for r in hetero), sync_linestyle="--")
     axis.set_ylabel("trained tokens/s vs sync (mean, range)")
-    axis.set_xscale("symlog", linthresh=1)
-    lags = sorted({r["max_lag"] for r in hetero})
-    axis.set_xticks(lags, [str(lag) for lag in lags])
     axis.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument(
         "--lags", type=int, nargs="+", default=[0, 1, 2, 4, 8], help="max_lag values (default 0 1 2 4 8)"
     )
@@ -185,18 +183,17 @@ def main(argv: list[str] | None = None) -> int:
         default=0.02,
         help="modelled slowdown per further sequence in a batch (default 0.02)",
     )
-    parser.add_argument("--json", help="also write every run's summary to this JSON file")
-    parser.add_argument("--png", help="also draw throughput against max_lag to this PNG (needs matplotlib)")
+    add_output_options(parser, "every run's summary", "throughput against max_lag")
     args = parser.parse_args(argv)
     if args.steps <= args.skip:
         parser.error("--steps must be larger than --skip")
     rows = sweep(args)
-    if args.json:  # written before the report, so a run's numbers survive a reporting error
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
-    report(rows)
-    if args.json:
-        result = {"args": vars(args), "runs": rows, "configurations": aggregate(rows)}
-        Path(args.json).write_text(json.dumps(result, indent=2))
+
+    def reported() -> dict[str, list[dict]]:
+        report(rows)
+        return {"configurations": aggregate(rows)}
+
+    write_json_around(args.json, {"args": vars(args), "runs": rows}, reported)
     if args.png:
         plot(rows, args.png)
     return 0

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_presets() -> int:
-    from gepo_plugin.verl_glue.presets import PRESETS
+    from gepo_plugin.verl_glue.presets import PRESETS  # lazy: a command's modules load when it runs (CLI start-up)
 
     for preset in PRESETS.values():
         print(f"algorithm.loss={preset.name}: {preset.summary}")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         return doctor.from_args(args)
     if args.command == "demo":
-        from gepo_plugin.demo import run
+        from gepo_plugin.demo import run  # lazy: torch and verl, for this command only (CLI start-up)
 
         return run(prompts=args.prompts, responses=args.responses, micro_batches=args.micro_batches, seed=args.seed)
     if args.command == "presets":

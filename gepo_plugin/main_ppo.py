@@ -23,7 +23,14 @@ from omegaconf import DictConfig, OmegaConf
 
 import gepo_plugin.config  # noqa: F401  (registers the option nodes the yaml's defaults list names)
 from gepo_plugin.config_keys import HETERO_ENABLE, HETERO_LEARNER_RESOURCE
-from gepo_plugin.launch import CommandLine, check_before_start, explicit_keys, plan_launch, settle
+from gepo_plugin.cpu_backend.activate import select_cpu_platform
+from gepo_plugin.cpu_backend.vllm.weight_buckets import buckets_released_around_run
+from gepo_plugin.launch import CommandLine, changed_keys, check_before_start, explicit_keys, plan_launch, settle
+from gepo_plugin.options import OptionsError
+from gepo_plugin.patching import PatchVersionError
+from gepo_plugin.verl_glue.hetero.placement import place_task_runner
+from gepo_plugin.verl_glue.seam import SeamError
+from gepo_plugin.verl_glue.vllm_rollout import uses_vllm_rollout
 
 logger = logging.getLogger("gepo_plugin")
 
@@ -43,23 +50,17 @@ def _compose(config: DictConfig) -> None:
 @hydra.main(config_path="config", config_name="gepo_trainer", version_base=None)
 def _run(config: DictConfig) -> None:
     """Pass 2: the settled config; a no-op settle confirms it, then verl's own ``main`` runs it."""
-    settled, _ = settle(config, explicit_keys(HydraConfig.get().overrides.task))
-    from gepo_plugin.launch import changed_keys
-
+    settled, _, _ = settle(config, explicit_keys(HydraConfig.get().overrides.task))
     drift = changed_keys(config, settled)
     if drift:  # the first pass's overrides should have settled everything
         raise RuntimeError(f"gepo-plugin: the launcher left settings unsettled (a bug, please report): {drift}")
     if config.trainer.device == "cpu":
-        from gepo_plugin.cpu_backend.activate import select_cpu_platform
-
         select_cpu_platform()
         logger.warning("trainer.device=cpu: verl on the CPU backend (a debugging/CI backend, not for training)")
     resource = OmegaConf.select(config, HETERO_LEARNER_RESOURCE) if OmegaConf.select(config, HETERO_ENABLE) else None
     if resource:
-        from gepo_plugin.verl_glue.hetero.placement import place_task_runner
-
         place_task_runner(resource)
-    from verl.trainer.main_ppo import main as verl_main
+    from verl.trainer.main_ppo import main as verl_main  # lazy: verl's trainer stack, once the config is settled
 
     with _releasing_weight_buckets(config):
         verl_main(config)  # Hydra's decorated main runs the task function directly when given a config
@@ -67,12 +68,8 @@ def _run(config: DictConfig) -> None:
 
 def _releasing_weight_buckets(config: DictConfig) -> contextlib.AbstractContextManager:
     """A CPU vLLM run releases the weight buckets a stopped run leaves in /dev/shm (see ``weight_buckets``)."""
-    from gepo_plugin.verl_glue.vllm_rollout import uses_vllm_rollout
-
     if config.trainer.device != "cpu" or not uses_vllm_rollout(config):
         return contextlib.nullcontext()
-    from gepo_plugin.cpu_backend.vllm.weight_buckets import buckets_released_around_run
-
     return buckets_released_around_run(lambda line: logger.warning("gepo-plugin: %s", line))
 
 
@@ -121,20 +118,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{PROG}: --multirun is not supported (verl starts one Ray job per run); run each config separately")
         raise SystemExit(CONFIG_ERROR_EXIT)
     config = _compose_user_config(command)
-    from gepo_plugin.options import OptionsError
-    from gepo_plugin.verl_glue.seam import SeamError
-
     try:
         plan = plan_launch(config, command.overrides)
     except OptionsError as error:
         _config_error(str(error))
     if plan.config.trainer.device == "cpu":
-        from gepo_plugin.cpu_backend.activate import select_cpu_platform
-
         select_cpu_platform()
     try:
-        inspect_warnings = check_before_start(plan.config, inspecting=command.inspecting)
-    except SeamError as error:
+        inspect_warnings = check_before_start(plan.config, plan.hetero, inspecting=command.inspecting)
+    except (SeamError, PatchVersionError) as error:  # an internal or a patch the configured features need
         _config_error(str(error))
     except Exception as error:  # verl's validate_config raises assertions, ValueErrors and Hydra errors
         _config_error(f"verl's config check failed: {type(error).__name__}: {error}")

@@ -22,13 +22,14 @@ VLLM_ROLLOUT = "vllm"
 
 def verl_version_supported(version: str) -> bool:
     """Is ``version`` inside the verl range this plugin was written and tested for?"""
-    from packaging.specifiers import SpecifierSet
+    from packaging.specifiers import SpecifierSet  # lazy: keeps import verl cheap
 
     return version in SpecifierSet(",".join(SUPPORTED_VERL))
 
 
 def registered_names() -> dict[str, list[str]]:
     """Which of the plugin's names verl's registries of *this* process hold (imports verl lazily)."""
+    # lazy: verl's trainer stack, which import verl must not load
     from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 

@@ -11,7 +11,7 @@ numbers must be finite unless a field says otherwise, unknown keys are refused w
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -24,6 +24,13 @@ STRICT_BLOCK = ConfigDict(extra="forbid", validate_default=True, frozen=True)
 
 class OptionsError(ValueError):
     """A setting is impossible; the message names the key, the value given and what is accepted."""
+
+
+def did_you_mean(given: object, choices: Iterable[str], before: str = " (", after: str = ")") -> str:
+    """The one "did you mean" of every message: `` (did you mean 'x'?)`` for the choice nearest ``given`` (difflib's
+    closest match), or ``""`` when none is near; ``before``/``after`` frame it (e.g. ``"; "`` and ``""``)."""
+    close = difflib.get_close_matches(str(given), list(choices), n=1)
+    return f"{before}did you mean {close[0]!r}?{after}" if close else ""
 
 
 _FIXES = {
@@ -50,8 +57,7 @@ def _message(model: type[BaseModel], error: dict[str, Any], prefix: str) -> str:
     if kind == "extra_forbidden":
         owner = _model_at(model, error["loc"][:-1])
         valid = sorted(owner.model_fields) if owner is not None else []
-        close = difflib.get_close_matches(str(error["loc"][-1]), valid, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(error["loc"][-1], valid, before="; ", after="")
         return f"{key}: unknown option{hint} Valid options here: {', '.join(valid)}"
     if kind == "value_error":  # a cross-field rule of the model: its own message says what to change
         message = error["msg"].removeprefix("Value error, ")
@@ -61,9 +67,7 @@ def _message(model: type[BaseModel], error: dict[str, Any], prefix: str) -> str:
     text = f"{key}={given!r}: {error['msg'][0].lower()}{error['msg'][1:]}"
     if kind == "literal_error" and isinstance(given, str):
         choices = [c.strip("' ") for c in error["msg"].split("Input should be ", 1)[-1].replace(" or ", ",").split(",")]
-        close = difflib.get_close_matches(given, choices, n=1)
-        if close:
-            text += f" (did you mean {close[0]!r}?)"
+        text += did_you_mean(given, choices)
     return text + (f" ({fix})" if fix else "")
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +32,7 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer():
     """A character-level ``PreTrainedTokenizerFast`` with a chat template (verl applies one to prompts)."""
+    # lazy: transformers takes seconds to import; the run helpers below (the e2e tests, the lab's --help) need none
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,7 +48,7 @@ def build_tokenizer():
 
 
 def tiny_model_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0):
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # lazy, as in build_tokenizer
 
     return LlamaConfig(
         vocab_size=vocab_size,
@@ -72,6 +75,7 @@ def write_tiny_model(
     bf16 parameters (verl's Megatron engine) holds exactly the weights an fp32 one (FSDP2) does, and both send
     identical weights to the rollout: runs under the two engines can then be compared step for step.
     """
+    # lazy, as in build_tokenizer
     import torch
     from transformers import LlamaForCausalLM
 
@@ -117,7 +121,7 @@ def arithmetic_rows(count: int, seed: int, split: str, max_operand: int = 9) -> 
 
 def write_dataset(path: str | Path, train: int = 64, val: int = 16, seed: int = 0) -> tuple[Path, Path]:
     """Write ``train.parquet`` and ``val.parquet`` in verl's RL dataset format."""
-    import pandas as pd
+    import pandas as pd  # lazy: pandas, only to write the data
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -226,9 +230,6 @@ def run_cpu_training(
     Returns the exit code, the metrics verl's tracker logged per step (from its ``file`` backend),
     and the combined console output.
     """
-    import os
-    import subprocess
-
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_file = workdir / "metrics.jsonl"

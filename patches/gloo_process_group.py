@@ -9,13 +9,13 @@ name, so the fix replaces it there too: when no backend is given and the device 
 
 from __future__ import annotations
 
+from verl.utils.device import get_device_name
+
 from gepo_plugin.patching import Patch
 from gepo_plugin.verl_glue import seam
 
 
 def _apply() -> None:
-    from verl.utils.device import get_device_name
-
     original = seam.resolve("verl.utils.distributed.initialize_global_process_group_ray")
 
     def initialize_global_process_group_ray(timeout_second=None, backend=None):

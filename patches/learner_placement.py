@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import ray
 from omegaconf import OmegaConf
 
 from gepo_plugin.patching import Patch
@@ -29,6 +30,7 @@ from gepo_plugin.verl_glue.hetero.placement import learner_resource, nodes_offer
 _AGENT = "verl.experimental.agent_loop.agent_loop.AgentLoopManager._init_agent_loop_workers"
 _REWARD = "verl.experimental.reward_loop.reward_loop.RewardLoopManager._init_reward_loop_workers"
 _BALANCER = "verl.workers.rollout.router._create_global_sticky_inflight"
+_DEFAULT_BALANCER = "verl.workers.rollout.llm_server.GlobalRequestLoadBalancer"
 _CONTROLLER = "transfer_queue.interface.TransferQueueController"
 _TQ_INIT = "transfer_queue.init"
 
@@ -62,13 +64,14 @@ def _placed_load_balancer(create):
     """verl's factory of the default load balancer, creating the actor on a learner node (the same arguments)."""
     if getattr(create, "__wrapped__", None) is not None:
         return create
-    import ray
-    from verl.workers.rollout import router
+    from verl.workers.rollout import router  # lazy: verl's main has no router module (the seam refuses first)
+
+    default_balancer = seam.resolve(_DEFAULT_BALANCER)
 
     @functools.wraps(create)
     def _create_global_sticky_inflight(servers, full_determinism=False, load_balancer_cls=None):
         kwargs = dict(servers=servers, max_cache_size=router.DEFAULT_ROUTING_CACHE_SIZE)
-        if load_balancer_cls is router.GlobalRequestLoadBalancer:
+        if load_balancer_cls is default_balancer:
             kwargs["full_determinism"] = full_determinism
         return on_learner_nodes(ray.remote(load_balancer_cls)).remote(**kwargs)
 

@@ -22,7 +22,7 @@ def padding_aware_attention_class() -> type:
     an additive ``[b, heads, sq, sk]`` mask (True = masked out) and fail on its shape. Turn it into that mask:
     causal, plus the padded keys. For every real token this is the attention Transformer Engine computes.
     """
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention  # optional: megatron-core
 
     class PaddingAwareDotProductAttention(DotProductAttention):
         def forward(self, query, key, value, attention_mask, *args, **kwargs):
@@ -36,7 +36,7 @@ def padding_aware_attention_class() -> type:
 
 
 def _apply() -> None:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # optional: megatron-core
 
     attention = padding_aware_attention_class()
     local_attention = attention.__mro__[1]

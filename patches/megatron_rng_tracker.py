@@ -28,7 +28,7 @@ def cpu_rng_tracker_class() -> type:
     It keeps the base class's bookkeeping (``states_``, ``seeds_``, ``_is_initialized``), which its inherited
     ``get_states``/``set_states``/``reset`` use.
     """
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker  # optional: megatron-core
 
     default_name = seam.resolve(f"{_RANDOM}._MODEL_PARALLEL_RNG_TRACKER_NAME")
 

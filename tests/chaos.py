@@ -17,9 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from gepo_plugin.metric_names import undeclared
 from gepo_plugin.tiny import cpu_run_overrides, read_metrics
 
 #: What a driver runs against a server actor, once the server is mid-generation (so the failure hits requests in
@@ -157,6 +159,14 @@ def hetero_overrides(
     ]
 
 
+#: ``hetero.transport`` -> the overrides a run with it needs (``workdir``: the test's folder). Fleet-level end-to-end
+#: tests run against every entry: a new transport gets them by adding one line.
+WEIGHT_TRANSPORTS: dict[str, Callable[[Path], list[str]]] = {
+    "simulated": lambda workdir: ["hetero.transport=simulated"],
+    "relay": lambda workdir: ["hetero.transport=relay", f"hetero.relay.url={workdir / 'relay_store'}"],
+}
+
+
 def start_run(overrides: list[str], workdir: Path) -> tuple[subprocess.Popen, Path, Path]:
     """Start ``python -m gepo_plugin.main_ppo`` in the background; returns the process, its metrics and log.
 
@@ -205,8 +215,10 @@ def failures(count: int):
 
 
 def check_every_step(metrics: dict[int, dict], max_lag: int) -> None:
-    """At every HeteroRL step the books balance (nothing lost silently) and the lag bound holds."""
+    """At every HeteroRL step the books balance (nothing lost silently), the lag bound holds, and every metric the
+    run logged under the plugin's namespaces is declared in the metric table."""
     for step, m in sorted(metrics.items()):
+        assert not undeclared(m), (step, undeclared(m))
         if "hetero/produced" in m:
             assert m["hetero/produced"] == m["hetero/trained"] + m["hetero/dropped"] + m["hetero/queued"], (step, m)
             assert m["hetero/lag/max"] <= max_lag, (step, m["hetero/lag/max"])

@@ -37,10 +37,11 @@ def hetero_buffer(refills: list[int] | None = None, poll_interval: float = 0.02,
     """The plugin's replay buffer as verl's separate_async trainer builds it (``hetero`` is the hetero block)."""
     from omegaconf import OmegaConf
 
+    from gepo_plugin.hetero.settings import parse_hetero
     from gepo_plugin.verl_glue.hetero.replay_buffer import HeteroReplayBuffer
 
     refills = [] if refills is None else refills
-    return HeteroReplayBuffer(
+    buffer = HeteroReplayBuffer(
         trainer_mode="separate_async",
         trainer_config=OmegaConf.create({}),
         max_off_policy_threshold=8,
@@ -49,6 +50,8 @@ def hetero_buffer(refills: list[int] | None = None, poll_interval: float = 0.02,
         refill_fn=lambda n: refills.append(n) or n,
         poll_interval=poll_interval,
     )
+    buffer.attach(parse_hetero({"enable": True, **hetero}))  # as the trainer does
+    return buffer
 
 
 @pytest.fixture

@@ -16,6 +16,24 @@ from gepo_plugin.tiny import cpu_run_overrides, run_cpu_training
 PROMPTS, RESPONSES, LEARNERS = 4, 4, 2
 
 
+def valid_gepo_command(paths: dict[str, str]) -> list[str]:
+    """A valid tiny GEPO command line for the launcher (GPU defaults; start-up checks read it, nothing is run)."""
+    return [
+        "algorithm.loss=gepo",
+        f"data.train_files={paths['train_files']}",
+        f"data.val_files={paths['val_files']}",
+        "data.train_batch_size=4",
+        f"actor_rollout_ref.model.path={paths['model']}",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        f"reward.custom_reward_function.path={paths['reward_path']}",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.n_gpus_per_node=2",
+    ]
+
+
 def gepo_sync_overrides(tiny: dict[str, str], workdir: Path, steps: int, engine: list[str] = ()) -> list[str]:
     """GEPO in sync mode, checkpoint (with an HF copy of the actor) at step 3; ``engine`` picks the actor's."""
     overrides = cpu_run_overrides(

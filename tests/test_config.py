@@ -116,6 +116,31 @@ def test_impossible_gepo_settings_are_rejected(override, match):
         composed("algorithm.loss=gepo", override)
 
 
+def test_a_group_estimator_needs_several_responses_by_the_same_rule_as_gepo():
+    with pytest.raises(PluginConfigError, match=r"rollout\.n=1: algorithm\.adv_estimator=grpo compares the responses"):
+        composed("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1")
+    with pytest.raises(PluginConfigError, match=r"rollout\.n=1: GEPO's group expectation"):
+        composed("algorithm.loss=gepo", "actor_rollout_ref.rollout.n=1")
+
+
+def test_the_clip_range_is_one_rule_at_start_up_and_in_the_loss():
+    from gepo_plugin.maths.gepo import GEPOInputError, check_clip_range
+
+    with pytest.raises(PluginConfigError, match=r"actor_rollout_ref\.actor\.clip_ratio_low=1\.5: must be < 1"):
+        composed("algorithm.loss=gepo", "actor_rollout_ref.actor.clip_ratio_low=1.5")
+    with pytest.raises(GEPOInputError, match=r"^clip_ratio_low=1\.5: must be < 1"):
+        check_clip_range(1.5, 0.2)
+    check_clip_range(None, None)  # not set: nothing to check
+
+
+def test_did_you_mean_names_the_nearest_choice_or_nothing():
+    from gepo_plugin.options import did_you_mean
+
+    assert did_you_mean("cpuu", ("cuda", "npu", "cpu")) == " (did you mean 'cpu'?)"
+    assert did_you_mean("gepoo", {"gepo", "gspo"}, before="; ", after="") == "; did you mean 'gepo'?"
+    assert did_you_mean("zzz", ("cuda",)) == ""
+
+
 def test_bad_bnpo_and_delta_l_options_are_rejected():
     with pytest.raises(PluginConfigError, match="reward_max"):
         composed("algorithm.loss=bnpo", "algorithm.bnpo.reward_max=0")

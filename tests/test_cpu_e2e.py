@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gepo_plugin.metric_names import undeclared
+
 pytestmark = pytest.mark.e2e
 
 
@@ -43,6 +45,7 @@ def test_gepo_sync_trains_with_the_group_term(gepo_sync_run, tiny):
             assert _finite(m[f"actor/gepo/{key}"]), key
         assert 0 < m["actor/gepo/ess"] <= 1 + 1e-6
         assert m["actor/gepo/iw_min"] <= m["actor/gepo/iw_mean"] <= m["actor/gepo/iw_max"]
+        assert not undeclared(m), undeclared(m)  # every plugin metric is in the metric table
     assert any(m["actor/grad_norm"] > 0 for m in metrics.values())
 
 

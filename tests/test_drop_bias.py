@@ -17,10 +17,10 @@ def test_pooled_totals_give_the_means_of_the_concatenated_trajectories():
         pooled = drop_bias.add(pooled, drop_bias.totals(lengths, rewards))
     lengths = np.concatenate([p[0] for p in parts])
     rewards = np.concatenate([p[1] for p in parts])
-    means = drop_bias.means("x/", "dropped", pooled)
-    assert means["x/dropped/length_mean"] == pytest.approx(lengths.mean(), rel=1e-12)
-    assert means["x/dropped/reward_mean"] == pytest.approx(rewards.mean(), rel=1e-12)
-    assert drop_bias.means("x/", "dropped", {}) == {}  # nothing dropped: no mean, not NaN
+    means = drop_bias.means("dropped", pooled)
+    assert means["dropped/length_mean"] == pytest.approx(lengths.mean(), rel=1e-12)
+    assert means["dropped/reward_mean"] == pytest.approx(rewards.mean(), rel=1e-12)
+    assert drop_bias.means("dropped", {}) == {}  # nothing dropped: no mean, not NaN
     with pytest.raises(ValueError):
         drop_bias.totals([1, 2], [0.5])
 
@@ -28,11 +28,11 @@ def test_pooled_totals_give_the_means_of_the_concatenated_trajectories():
 def test_the_length_gap_is_reported_only_when_both_sides_exist():
     trained = drop_bias.totals([4, 6], [1.0, 0.0])
     dropped = drop_bias.totals([10, 20, 30], [0.0, 0.0, 1.0])
-    out = drop_bias.bias_metrics("hetero/", dropped, trained)
-    assert out["hetero/drop_bias/length"] == pytest.approx(20.0 - 5.0)
-    assert out["hetero/dropped/reward_mean"] == pytest.approx(1 / 3) and out["hetero/trained/reward_mean"] == 0.5
-    only_trained = drop_bias.bias_metrics("hetero/", {}, trained)
-    assert "hetero/drop_bias/length" not in only_trained and only_trained["hetero/trained/length_mean"] == 5.0
+    out = drop_bias.bias_metrics(dropped, trained)
+    assert out["drop_bias/length"] == pytest.approx(20.0 - 5.0)
+    assert out["dropped/reward_mean"] == pytest.approx(1 / 3) and out["trained/reward_mean"] == 0.5
+    only_trained = drop_bias.bias_metrics({}, trained)
+    assert "drop_bias/length" not in only_trained and only_trained["trained/length_mean"] == 5.0
 
 
 def test_the_trainer_turns_the_buffers_totals_into_means_beside_the_trained_batch():

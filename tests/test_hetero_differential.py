@@ -75,7 +75,7 @@ def run_trace(hetero: dict, seed: int, ticks: int = 18, batch: int = 3) -> dict:
     in_flight: dict[str, tuple[int, int, int]] = {}  # name -> (submitted step, sampler version, finish tick)
     counter, now, trained, log, version, guard_notes = 0, 0.0, 0, [], 0, []
     for name in ("verl", "lab"):  # step 1 begins: every sampler holds version 0
-        (buffer if name == "verl" else lab).core.version_floors[1] = 0
+        (buffer if name == "verl" else lab).core.record_floor(1, 0)
     resume_at = ticks // 2
     for tick in range(1, ticks + 1):
         step = version + 1
@@ -120,7 +120,7 @@ def run_trace(hetero: dict, seed: int, ticks: int = 18, batch: int = 3) -> dict:
             guard_notes.extend(note for note in notes[:1] if note is not None)
             schedule.publish(version, now)
             for core in (buffer.core, lab.core):  # what verl's delayed weight sync / the lab's driver record
-                core.version_floors[version + 1] = schedule.oldest_held()
+                core.record_floor(version + 1, schedule.oldest_held())
         assert books(buffer.core) == books(lab.core), tick
         log.append({"step": step, "ready": lab_ready, "floor": buffer.core.lower_bound(version + 1)})
         if tick == resume_at:  # checkpoint, lose one queued group, restore both

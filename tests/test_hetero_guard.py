@@ -58,11 +58,7 @@ def test_the_rule_tightens_after_patience_low_steps_and_relaxes_after_patience_h
     assert guard.effective == 16  # never above the ceiling
     kinds = [change["kind"] for change in guard.changes]
     assert kinds == ["tighten"] * 3 + ["relax"] * 3
-    assert guard.metrics("hetero/") == {
-        "hetero/guard/max_lag": 16.0,
-        "hetero/guard/tightened": 3.0,
-        "hetero/guard/relaxed": 3.0,
-    }
+    assert guard.metrics() == {"guard/max_lag": 16.0, "guard/tightened": 3.0, "guard/relaxed": 3.0}
     restored = StalenessGuard(guard.config, ceiling=16)
     restored.load_state_dict(guard.state_dict())
     assert restored == guard
@@ -80,8 +76,8 @@ def test_the_core_decides_with_the_tightened_bound_and_saves_it():
     assert not core.may_start(6, 3)  # admission follows the tightened bound too
     with pytest.raises(BoundViolation):
         core.train(["old"], 6)
-    metrics = core.metrics("hetero/")
-    assert metrics["hetero/guard/max_lag"] == 2.0 and metrics["hetero/guard/tightened"] == 1.0
+    metrics = core.metrics()
+    assert metrics["guard/max_lag"] == 2.0 and metrics["guard/tightened"] == 1.0
     resumed = StalenessCore(policy, GuardConfig(enable=True, patience=1, floor=1))
     resumed.load_state_dict(core.state_dict())
     assert resumed.policy.max_lag == 2 and resumed.guard.changes == core.guard.changes
@@ -92,7 +88,7 @@ def test_the_core_decides_with_the_tightened_bound_and_saves_it():
 def test_without_the_guard_the_core_ignores_ess():
     core = StalenessCore(StalenessPolicy(max_lag=4))
     assert core.observe_ess(1, 0.0) is None and core.policy.max_lag == 4
-    assert "hetero/guard/max_lag" not in core.metrics("hetero/")
+    assert "guard/max_lag" not in core.metrics()
 
 
 @pytest.mark.parametrize(
@@ -114,6 +110,11 @@ def test_impossible_guards_are_refused_naming_the_key(block, message):
     with pytest.raises(HeteroConfigError) as error:
         parse_hetero({"enable": True, **block})
     assert message in str(error.value)
+
+
+def test_the_core_refuses_a_guard_without_a_bound_by_the_settings_rule():
+    with pytest.raises(ValueError, match="max_lag must be a number"):
+        StalenessCore(StalenessPolicy(max_lag=None), GuardConfig(enable=True))
 
 
 def test_check_guard_accepts_a_working_guard():

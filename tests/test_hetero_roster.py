@@ -15,10 +15,10 @@ def test_a_group_is_alive_while_any_of_its_replicas_is():
     assert roster.retire(2, "hung", learner_version=4, detect_s=30.0) is True
     assert roster.live_groups() == [0]
     m = roster.metrics()
-    assert m["hetero/sampler_failures"] == 2 and m["hetero/sampler_failures/died"] == 1
-    assert m["hetero/sampler_failures/hung"] == 1 and m["hetero/sampler_replicas_alive"] == 1
-    assert (m["hetero/sampler_group_0/alive"], m["hetero/sampler_group_1/alive"]) == (1.0, 0.0)
-    assert m["hetero/sampler_detect_s/last"] == 30.0
+    assert m["sampler_failures"] == 2 and m["sampler_failures/died"] == 1
+    assert m["sampler_failures/hung"] == 1 and m["sampler_replicas_alive"] == 1
+    assert (m["sampler_group_0/alive"], m["sampler_group_1/alive"]) == (1.0, 0.0)
+    assert m["sampler_detect_s/last"] == 30.0
 
 
 def test_a_replica_is_retired_once_and_replacements_get_fresh_ids():
@@ -51,9 +51,9 @@ def test_a_replacement_still_starting_keeps_the_run_alive_until_it_fails():
     roster.retire(0, "died", 5, 2.0)
     roster.begin_replacement(0)
     roster.require_any()  # nothing serves, but a replacement is on its way: the learner waits for it
-    assert roster.metrics()["hetero/sampler_replacements/starting"] == 1
+    assert roster.metrics()["sampler_replacements/starting"] == 1
     roster.abandon_replacement(0)
-    assert roster.metrics()["hetero/sampler_replacements/starting"] == 0 and roster.replacements == 0
+    assert roster.metrics()["sampler_replacements/starting"] == 0 and roster.replacements == 0
     with pytest.raises(NoSamplerLeft):
         roster.require_any()
     with pytest.raises(ValueError, match="no replacement is starting"):
@@ -70,7 +70,7 @@ def test_the_books_continue_across_a_resume_with_every_replica_started_afresh():
     resumed.load_state_dict(roster.state_dict())
     assert resumed.live_groups() == [0, 1] and resumed.replacements == 1
     assert [(f.group, f.kind, f.learner_version) for f in resumed.failures] == [(1, "died", 5)]
-    assert resumed.metrics()["hetero/sampler_failures"] == 1 and sum(resumed.starting.values()) == 0
+    assert resumed.metrics()["sampler_failures"] == 1 and sum(resumed.starting.values()) == 0
     fresh = SamplerRoster([2])
     fresh.load_state_dict({})  # a checkpoint from before elastic samplers
     assert fresh.failures == [] and fresh.replacements == 0

@@ -134,7 +134,7 @@ def test_wait_blocks_until_an_urgent_group_finishes_and_trains_it_first(clean):
     (urgent,) = rollouts.submit(step=3)  # submitted at step 3: its tokens are from version >= 2
     rollouts.start(urgent)
     rollouts.produce(step=5, version=4, n=3)  # plenty of fresh groups
-    buffer.core.version_floors[3] = 2
+    buffer.core.record_floor(3, 2)
     # step 5 trains v=4; a group with min_version 2 has lag 2 now, 3 next step: it must be in this batch
     done = threading.Event()
 

@@ -36,7 +36,7 @@ def test_admission_and_waiting():
     core = StalenessCore(policy)
     # in flight: "old" submitted at step 9 (its tokens are from version >= 8), "fresh" at step 10
     assert core.urgent(10, {"old": 9, "fresh": 10}) == ["old"]  # the learner waits for "old" at version 10
-    core.version_floors[10] = 8  # a sampler still held version 8 when step 10 began: "fresh" may be that old
+    core.record_floor(10, 8)  # a sampler still held version 8 when step 10 began: "fresh" may be that old
     assert sorted(core.urgent(10, {"old": 9, "fresh": 10})) == ["fresh", "old"]
     assert StalenessCore(StalenessPolicy(max_lag=2, strategy="drop")).urgent(10, {"old": 1}) == []
 
@@ -78,14 +78,14 @@ def test_the_core_evicts_with_reasons_selects_oldest_first_and_refuses_to_break_
     core.finished("mixed", 8, 9, submitted=9)
     core.finished("b", 9, 9, submitted=10)
     core.finished("a", 9, 9, submitted=9)
-    core.version_floors[10] = 7  # a sampler still held version 7 when step 10 began
+    core.record_floor(10, 7)  # a sampler still held version 7 when step 10 began
     core.failed("gone", submitted=10)
     assert core.ledger.queued_groups()["gone"] == 7
     assert core.evictions(10) == {"old": STALE, "mixed": MIXED, "gone": "failed"}
     core.drop(core.evictions(10))
     assert core.select(["b", "a"], 1) == ["a"]  # same version: the earlier submission first
     assert core.train(["a", "b"], 10).tolist() == [1, 1]
-    assert core.metrics()["hetero/dropped/stale"] == 1 and core.metrics()["hetero/trained"] == 2
+    assert core.metrics()["dropped/stale"] == 1 and core.metrics()["trained"] == 2
     core.finished("late", 7, 7)
     with pytest.raises(BoundViolation, match="lag 3 > max_lag 2"):
         core.train(["late"], 10)

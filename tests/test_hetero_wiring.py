@@ -31,7 +31,6 @@ def test_enable_selects_the_plugins_sampler_and_trainer(loss, trainer):
     assert config.trainer.v1.trainer_mode == trainer
     assert config.trainer.v1.sampler.custom_sampler.path == SAMPLER_PATH
     assert config.trainer.v1.sampler.custom_sampler.name == SAMPLER_NAME
-    assert config.trainer.v1.sampler.sampler_kwargs.max_lag == 4
     assert config.ray_kwargs.ray_init.runtime_env.env_vars.GEPO_SERVER_IDENTITY == "1"
     # verl's loader finds the class at that path
     from verl.utils.import_utils import load_extern_object
@@ -70,6 +69,24 @@ def test_group_sizes_must_cover_the_replicas():
     assert parse_hetero({}).group_sizes(3) == (1, 1, 1)
     with pytest.raises(HeteroConfigError, match="one per group"):
         parse_hetero({"group_delays": [{"distribution": "none"}]}).group_sizes(2)
+
+
+def test_lists_per_group_are_one_rule_when_parsed_and_when_sized(tmp_path):
+    """``group_delays`` and ``relay.links`` against the groups: at parse time when ``sampler_groups`` gives their
+    count, else when the replicas do (``group_sizes``), with one message."""
+    delays = {"group_delays": [{"distribution": "none"}]}
+    expected = r"hetero\.group_delays has 1 entries for 2 sampler groups"
+    with pytest.raises(HeteroConfigError, match=expected + "; give one per group"):
+        parse_hetero({**delays, "sampler_groups": [1, 1]})
+    with pytest.raises(HeteroConfigError, match=expected + r" \(2 replicas\); give one per group"):
+        parse_hetero(delays).group_sizes(2, "2 replicas")
+    relay = {"transport": "relay", "relay": {"url": str(tmp_path), "links": [{}, {}, {}]}}
+    expected = r"hetero\.relay\.links has 3 entries for 2 sampler groups; give one per group"
+    with pytest.raises(HeteroConfigError, match=expected):
+        parse_hetero({**relay, "sampler_groups": [1, 1]})
+    with pytest.raises(HeteroConfigError, match=expected):
+        parse_hetero(relay).group_sizes(2)
+    assert parse_hetero({**relay, "relay": {"url": str(tmp_path), "links": []}}).group_sizes(2) == (1, 1)
 
 
 def test_paper_interval_builds_a_clipped_lognormal():

@@ -21,6 +21,7 @@ COMPONENTS = (
     "gepo_plugin.config_keys",
     "gepo_plugin.config_tree",
     "gepo_plugin.versions",
+    "gepo_plugin.metric_names",
 )
 #: The thin verl glue (with the patches it applies and the config it declares).
 GLUE = ("gepo_plugin.verl_glue", "gepo_plugin.patches", "gepo_plugin.patching", "gepo_plugin.config")

@@ -33,7 +33,7 @@ def test_the_relay_engine_is_registered_with_verl_and_carries_exact_weights(tmp_
         asyncio.run(learner.send_weights(iter(weights.items()), global_steps=version))
         assert asyncio.run(other_rank.send_weights(iter(weights.items()), global_steps=version)) == {}
         metrics = learner.flush(timeout_s=30)
-        assert metrics["hetero/relay/versions_published"] == version + 1
+        assert metrics["versions_published"] == version + 1  # named hetero/relay/... by the transport
         if version == 0:
             sampler.follow(group=0, replica=0)
         deadline = time.monotonic() + 20

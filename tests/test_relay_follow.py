@@ -112,11 +112,11 @@ def test_the_book_holds_each_group_at_its_oldest_replica_and_measures_arrival_la
     book.install(Receipt(1, 2, 2, arrival=121.0, nbytes=7, seconds=1.0))
     assert book.held == [1, 2] and book.oldest_held() == 1
     assert book.install(Receipt(0, 1, 1, arrival=113.0, nbytes=5, seconds=1.0)) is None  # not newer
-    metrics = book.metrics(learner_version=2, prefix="g")
-    assert metrics["g_0/weight_age"] == 1 and metrics["g_0/relay_bytes"] == 15
-    assert metrics["g_0/arrival_lag_mean_s"] == pytest.approx((5.0 + 2.0) / 2)
-    assert metrics["g_1/arrival_lag_mean_s"] == pytest.approx(1.0)
-    assert metrics["g_0/pull_s_mean"] == pytest.approx(1.0)
+    metrics = book.metrics(learner_version=2)
+    assert metrics[0, "weight_age"] == 1 and metrics[0, "relay_bytes"] == 15
+    assert metrics[0, "arrival_lag_mean_s"] == pytest.approx((5.0 + 2.0) / 2)
+    assert metrics[1, "arrival_lag_mean_s"] == pytest.approx(1.0)
+    assert metrics[0, "pull_s_mean"] == pytest.approx(1.0)
     book.remove_replica(1)
     assert book.held == [2, 2]
     book.retire(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gepo_plugin.maths.rollout_agreement import FRESH_GAP_PREFIX, fresh_logprob_gap, fresh_responses
+from gepo_plugin.maths.rollout_agreement import fresh_logprob_gap, fresh_responses
 
 
 def test_fresh_responses_are_those_entirely_generated_by_the_learners_version():
@@ -30,7 +30,7 @@ def test_the_gap_covers_the_masked_tokens_of_fresh_rows_only_whatever_the_paddin
     fresh = np.array([True, False, True, True])
     got = fresh_logprob_gap(fresh, rollout, learner[:, :5], mask)  # the learner's field padded shorter
     expected = [abs(rollout[r, t] - learner[r, t]).item() for r in (0, 2, 3) for t in range(5) if mask[r, t]]
-    assert got[f"{FRESH_GAP_PREFIX}tokens"] == len(expected) == 4 + 5 + 5
-    assert np.isclose(got[f"{FRESH_GAP_PREFIX}max"], max(expected))
-    assert np.isclose(got[f"{FRESH_GAP_PREFIX}mean"], np.mean(expected))
-    assert fresh_logprob_gap(np.zeros(4, dtype=bool), rollout, learner, mask) == {f"{FRESH_GAP_PREFIX}tokens": 0.0}
+    assert got["tokens"] == len(expected) == 4 + 5 + 5
+    assert np.isclose(got["max"], max(expected))
+    assert np.isclose(got["mean"], np.mean(expected))
+    assert fresh_logprob_gap(np.zeros(4, dtype=bool), rollout, learner, mask) == {"tokens": 0.0}

@@ -8,6 +8,7 @@ through every check.
 from __future__ import annotations
 
 import pytest
+from cpu_runs import valid_gepo_command
 
 from gepo_plugin import main_ppo
 from gepo_plugin.tiny import write_all
@@ -143,21 +144,7 @@ MISTAKES = [
 @pytest.fixture(scope="module")
 def valid(tmp_path_factory) -> list[str]:
     """A valid tiny GEPO command line (GPU defaults; nothing is run)."""
-    paths = write_all(tmp_path_factory.mktemp("tiny"))
-    return [
-        "algorithm.loss=gepo",
-        f"data.train_files={paths['train_files']}",
-        f"data.val_files={paths['val_files']}",
-        "data.train_batch_size=4",
-        f"actor_rollout_ref.model.path={paths['model']}",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-        f"reward.custom_reward_function.path={paths['reward_path']}",
-        "reward.custom_reward_function.name=compute_score",
-        "trainer.n_gpus_per_node=2",
-    ]
+    return valid_gepo_command(write_all(tmp_path_factory.mktemp("tiny")))
 
 
 def launch(argv: list[str], monkeypatch) -> None:

@@ -39,6 +39,7 @@ import torch
 from chaos import check_every_step
 from relay_fixtures import s3_server
 
+from gepo_plugin.metric_names import undeclared
 from gepo_plugin.tiny import cpu_run_overrides, read_metrics, run_cpu_training, write_all
 
 pytestmark = [
@@ -176,6 +177,7 @@ def check_agreement(metrics: dict[int, dict], steps: list[int]) -> None:
         m = metrics[step]
         assert m[f"{GAP}tokens"] > 0, (step, m)
         assert m[f"{GAP}max"] < FP32_GAP, (step, m[f"{GAP}max"])
+        assert not undeclared(m), undeclared(m)
 
 
 def _safetensors(folder: Path) -> dict:

@@ -20,17 +20,22 @@ Without ``VERL_PLATFORM=cpu`` nothing here runs: GPU hosts see no change.
 
 from __future__ import annotations
 
+import os
+
 from omegaconf import DictConfig, OmegaConf
 
 from gepo_plugin import config_keys as keys
 from gepo_plugin.config_tree import UserKeys
 from gepo_plugin.cpu_backend import CPU_PLATFORM, ROLLOUT_NAME, cpu_platform_selected
+from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE
 from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.registration import install_hooks
 
 SEPARATE_CHECKPOINT_ENGINE = "ray_mailbox"
 
 _INSTALLED: list[bool] = []
+
+# The post-import hooks (HOOKS) import what they register only once verl imports the module they wait for.
 
 
 def _register_platform() -> None:
@@ -72,6 +77,7 @@ def install() -> bool:
         return False
     _INSTALLED.append(True)
     install_hooks(HOOKS)
+    # lazy: only where VERL_PLATFORM=cpu (this module is imported on every import verl)
     from gepo_plugin.cpu_backend.rollout import registration
     from gepo_plugin.cpu_backend.vllm import install as vllm_cpu
 
@@ -87,21 +93,17 @@ def install_if_selected() -> bool:
 
 def select_cpu_platform() -> None:
     """Select the cpu platform in this process (the launcher of a ``trainer.device=cpu`` run)."""
-    import os
-
-    from verl.plugin.platform import set_platform
+    from verl.plugin.platform import set_platform  # lazy: this module is imported while verl initialises
 
     os.environ["VERL_PLATFORM"] = CPU_PLATFORM
     install()
-    from gepo_plugin.cpu_backend.platform import PlatformCPU
+    from gepo_plugin.cpu_backend.platform import PlatformCPU  # after install(): importing it registers the platform
 
     set_platform(PlatformCPU())
 
 
 def _checkpoint_engine(config: DictConfig, separate: bool) -> str:
     """The CPU mailbox for separate samplers, unless the weights go through HeteroRL's relay (it needs no NCCL)."""
-    from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE
-
     if OmegaConf.select(config, keys.CHECKPOINT_ENGINE_BACKEND) == RELAY_CHECKPOINT_ENGINE:
         return RELAY_CHECKPOINT_ENGINE
     return SEPARATE_CHECKPOINT_ENGINE if separate else "naive"
@@ -117,6 +119,7 @@ def cpu_run_settings(config: DictConfig) -> dict[str, object]:
     if separate:
         rollout = config.actor_rollout_ref.rollout
         rollout_gpus = int(rollout.get("nnodes", 1) or 1) * int(rollout.get("n_gpus_per_node", 1) or 1)
+    # lazy, as below: the launcher's code, kept out of import verl
     from gepo_plugin.cpu_backend.megatron import megatron_selected
     from gepo_plugin.cpu_backend.megatron.settings import megatron_cpu_settings
 
@@ -145,6 +148,7 @@ def cpu_run_settings(config: DictConfig) -> dict[str, object]:
 
 def settle_cpu_run(config: DictConfig, explicit: UserKeys) -> None:
     """Fill in what a CPU run needs where the user set nothing, then check it (the launcher's one call)."""
+    # lazy: the launcher's code, kept out of import verl
     from gepo_plugin.cpu_backend.vllm.settings import vllm_cpu_settings
     from gepo_plugin.verl_glue.presets import apply_settings
 
@@ -157,6 +161,7 @@ def settle_cpu_run(config: DictConfig, explicit: UserKeys) -> None:
 def check_cpu_run(config: DictConfig) -> None:
     """Start-up checks of a CPU run's own settings (the transformers rollout's options, the Megatron engine's,
     vLLM's)."""
+    # lazy: the launcher's code, kept out of import verl
     from gepo_plugin.cpu_backend.megatron.settings import check_megatron_cpu
     from gepo_plugin.cpu_backend.rollout.options import HF_OPTIONS_KEY, parse_hf_options
     from gepo_plugin.cpu_backend.vllm.settings import check_vllm_cpu

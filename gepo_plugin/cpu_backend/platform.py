@@ -16,6 +16,7 @@ from contextlib import contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 
+import psutil
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
@@ -67,15 +68,11 @@ class _CPUDeviceModule(ModuleType):
 
     @staticmethod
     def mem_get_info(device: Any = None) -> tuple[int, int]:
-        import psutil
-
         memory = psutil.virtual_memory()
         return int(memory.available), int(memory.total)
 
     @staticmethod
     def memory_allocated(device: Any = None) -> int:
-        import psutil
-
         return int(psutil.Process().memory_info().rss)
 
     memory_reserved = memory_allocated

@@ -60,7 +60,6 @@ def _define_mailbox() -> type:
     A class importable by name is unpickled by importing its module, and this module imports verl
     (~8 s of CPU and ~0.5 GB per process); the mailbox process then only needs ``asyncio``.
     """
-    import asyncio
 
     class Mailbox:
         """The rendezvous (a named async Ray actor): one sender posts numbered buckets, N receivers take them.

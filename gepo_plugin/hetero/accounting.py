@@ -64,16 +64,16 @@ class RolloutLedger:
                 f"{dict(self.dropped)} + queued {self.queued}"
             )
 
-    def metrics(self, prefix: str = "hetero/") -> dict[str, float]:
-        """Counters for verl's tracker (checked first)."""
+    def metrics(self) -> dict[str, float]:
+        """The counters by (unprefixed) name, checked first."""
         self.check()
         out = {
-            f"{prefix}produced": float(self.produced),
-            f"{prefix}trained": float(self.trained),
-            f"{prefix}queued": float(self.queued),
-            f"{prefix}dropped": float(sum(self.dropped.values())),
+            "produced": float(self.produced),
+            "trained": float(self.trained),
+            "queued": float(self.queued),
+            "dropped": float(sum(self.dropped.values())),
         }
-        out.update({f"{prefix}dropped/{reason}": float(count) for reason, count in sorted(self.dropped.items())})
+        out.update({f"dropped/{reason}": float(count) for reason, count in sorted(self.dropped.items())})
         return out
 
     def state_dict(self) -> dict[str, Any]:

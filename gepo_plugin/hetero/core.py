@@ -67,17 +67,15 @@ class StalenessCore:
         self.configured_policy = policy
         self.guard: StalenessGuard | None = None
         if guard is not None and guard.enable:
-            if policy.max_lag is None:
-                raise ValueError("the staleness guard tightens max_lag, so it needs a bounded max_lag")
-            self.guard = StalenessGuard(guard, policy.max_lag)
+            self.guard = StalenessGuard.for_policy(guard, policy)
         self.ledger = RolloutLedger()
         self._groups: dict[str, GroupVersions] = {}
         self._failed: dict[str, GroupVersions] = {}
         self.mixed_version_trained = 0
-        #: learner step -> the oldest weight version any sampler held when the step began (the weight path
-        #: records it: verl's delayed weight sync, the lab's driver). A step without an entry means every sampler
-        #: got the learner's weights at once, so its floor is ``step - 1``.
-        self.version_floors: dict[int, int] = {}
+        #: learner step -> the oldest weight version any sampler held when the step began (the weight path records
+        #: it with :meth:`record_floor`: verl's sampler fleet, the lab's driver). A step without an entry means every
+        #: sampler got the learner's weights at once, so its floor is ``step - 1``.
+        self._floors: dict[int, int] = {}
 
     # ------------------------------------------------------------------ events
     def known(self, uid: str) -> bool:
@@ -97,11 +95,20 @@ class StalenessCore:
         self.ledger.produce(uid, bound)
         self._failed[uid] = GroupVersions(bound, bound, int(submitted))
 
+    def record_floor(self, step: int, floor: int) -> None:
+        """When learner step ``step`` begins, the oldest weight version any live sampler holds is ``floor``."""
+        self._floors[int(step)] = int(floor)
+
+    @property
+    def version_floors(self) -> dict[int, int]:
+        """The floors recorded so far (a copy: record one with :meth:`record_floor`)."""
+        return dict(self._floors)
+
     def lower_bound(self, submitted: int) -> int:
         """A version no newer than the oldest token of a group whose prompt was submitted at learner step
         ``submitted``: the oldest version any sampler held when that step began. Which sampler serves a prompt is
         not known when it is submitted, so the bound is the floor over all of them."""
-        return int(self.version_floors.get(int(submitted), int(submitted) - 1))
+        return int(self._floors.get(int(submitted), int(submitted) - 1))
 
     # ------------------------------------------------------------------ decisions
     def may_start(self, learner_version: int, sampler_version: int) -> bool:
@@ -203,7 +210,7 @@ class StalenessCore:
             "groups": {uid: [v.min, v.max, v.submitted] for uid, v in self._groups.items()},
             "failed": {uid: [v.min, v.max, v.submitted] for uid, v in self._failed.items()},
             "mixed_version_trained": self.mixed_version_trained,
-            "version_floors": {str(step): floor for step, floor in self.version_floors.items()},
+            "version_floors": {str(step): floor for step, floor in self._floors.items()},
             "guard": self.guard.state_dict() if self.guard is not None else None,
         }
 
@@ -212,9 +219,7 @@ class StalenessCore:
         self._groups = {uid: GroupVersions(*map(int, v)) for uid, v in state["groups"].items()}
         self._failed = {uid: GroupVersions(*map(int, v)) for uid, v in state.get("failed", {}).items()}
         self.mixed_version_trained = int(state.get("mixed_version_trained", 0))
-        # in place: the weight path holds a reference to this dict
-        self.version_floors.clear()
-        self.version_floors.update({int(step): int(floor) for step, floor in state.get("version_floors", {}).items()})
+        self._floors = {int(step): int(floor) for step, floor in state.get("version_floors", {}).items()}
         if self.guard is not None and state.get("guard") is not None:
             self.guard.load_state_dict(state["guard"])
             self._apply_guard()
@@ -222,12 +227,12 @@ class StalenessCore:
         if queued != set(self._groups) | set(self._failed):
             raise ValueError("hetero state: the ledger's queued groups differ from the recorded versions")
 
-    def metrics(self, prefix: str = "hetero/") -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """The books (checked), every reason's counter (0 when unused) and the mixed-version total."""
-        out = self.ledger.metrics(prefix)
+        out = self.ledger.metrics()
         for reason in REASONS:
-            out.setdefault(f"{prefix}dropped/{reason}", 0.0)
-        out[f"{prefix}mixed_version_groups_total"] = float(self.mixed_version_trained)
+            out.setdefault(f"dropped/{reason}", 0.0)
+        out["mixed_version_groups_total"] = float(self.mixed_version_trained)
         if self.guard is not None:
-            out.update(self.guard.metrics(prefix))
+            out.update(self.guard.metrics())
         return out

@@ -5,11 +5,13 @@ and get dropped, and training drifts toward short, fast answers (reported for ti
 Both verl's replay buffer and the lab report the same figures through this module, from additive totals (they add
 up over verl's polls within a step and over a lab run):
 
-* ``<prefix>dropped/length_mean`` / ``reward_mean``: trajectories evicted for staleness (``stale``,
-  ``stale_overflow``, ``mixed_versions``), response tokens and reward;
-* ``<prefix>trained/length_mean`` / ``reward_mean``: the trajectories trained;
-* ``<prefix>drop_bias/length``: dropped minus trained mean length (positive: dropping removes the long answers,
-  so what is trained is biased toward short ones).
+* ``dropped/length_mean`` / ``reward_mean``: trajectories evicted for staleness (``stale``, ``stale_overflow``,
+  ``mixed_versions``), response tokens and reward;
+* ``trained/length_mean`` / ``reward_mean``: the trajectories trained;
+* ``drop_bias/length``: dropped minus trained mean length (positive: dropping removes the long answers, so what is
+  trained is biased toward short ones).
+
+(Unprefixed names: verl's glue logs them under ``hetero/``, :mod:`gepo_plugin.metric_names`.)
 """
 
 from __future__ import annotations
@@ -39,21 +41,21 @@ def add(a: Mapping[str, float], b: Mapping[str, float]) -> dict[str, float]:
     return {name: a.get(name, 0.0) + b.get(name, 0.0) for name in TOTALS}
 
 
-def means(prefix: str, kind: str, sums: Mapping[str, float]) -> dict[str, float]:
-    """``<prefix><kind>/length_mean`` and ``reward_mean`` (absent when there was no such trajectory)."""
+def means(kind: str, sums: Mapping[str, float]) -> dict[str, float]:
+    """``<kind>/length_mean`` and ``reward_mean`` (absent when there was no such trajectory)."""
     count = sums.get("trajectories", 0.0)
     if count <= 0:
         return {}
     return {
-        f"{prefix}{kind}/length_mean": sums["length_sum"] / count,
-        f"{prefix}{kind}/reward_mean": sums["reward_sum"] / count,
+        f"{kind}/length_mean": sums["length_sum"] / count,
+        f"{kind}/reward_mean": sums["reward_sum"] / count,
     }
 
 
-def bias_metrics(prefix: str, dropped: Mapping[str, float], trained: Mapping[str, float]) -> dict[str, float]:
+def bias_metrics(dropped: Mapping[str, float], trained: Mapping[str, float]) -> dict[str, float]:
     """Both sides' means and the length gap (the gap only when both sides have trajectories)."""
-    out = {**means(prefix, DROPPED, dropped), **means(prefix, TRAINED, trained)}
-    gap = out.get(f"{prefix}{DROPPED}/length_mean", math.nan) - out.get(f"{prefix}{TRAINED}/length_mean", math.nan)
+    out = {**means(DROPPED, dropped), **means(TRAINED, trained)}
+    gap = out.get(f"{DROPPED}/length_mean", math.nan) - out.get(f"{TRAINED}/length_mean", math.nan)
     if math.isfinite(gap):
-        out[f"{prefix}drop_bias/length"] = gap
+        out["drop_bias/length"] = gap
     return out

@@ -62,13 +62,18 @@ class GuardConfig(BaseModel):
         return self
 
 
+def guard_ceiling(policy: StalenessPolicy) -> int:
+    """The guard's hard ceiling, ``policy``'s ``max_lag``: the one check that it is bounded (the guard tightens it)."""
+    if policy.max_lag is None:
+        raise ValueError("guard.enable=true tightens max_lag, so max_lag must be a number (it is null: unbounded)")
+    return policy.max_lag
+
+
 def check_guard(guard: GuardConfig, policy: StalenessPolicy) -> None:
     """Refuse a guard that could not work with ``policy`` (a ``ValueError`` naming the keys and the fix)."""
     if not guard.enable:
         return
-    if policy.max_lag is None:
-        raise ValueError("guard.enable=true tightens max_lag, so max_lag must be a number (it is null: unbounded)")
-    if guard.floor > policy.max_lag:
+    if guard.floor > guard_ceiling(policy):
         raise ValueError(f"guard.floor ({guard.floor}) > max_lag ({policy.max_lag}); the floor is at most the bound")
     if policy.strategy == "wait" and guard.floor < policy.admission_margin:
         raise ValueError(
@@ -107,6 +112,11 @@ class StalenessGuard:
         if self.effective < 0:
             self.effective = self.ceiling
 
+    @classmethod
+    def for_policy(cls, config: GuardConfig, policy: StalenessPolicy) -> StalenessGuard:
+        """The guard of ``policy``'s bound, its ceiling (refused when unbounded: :func:`guard_ceiling`)."""
+        return cls(config, guard_ceiling(policy))
+
     def observe(self, step: int, ess: float) -> tuple[int, int] | None:
         """The trained batch of ``step`` had ``ESS/N = ess``; returns ``(old, new)`` if the bound moved."""
         if not math.isfinite(ess):
@@ -130,11 +140,12 @@ class StalenessGuard:
         self.changes.append({"step": int(step), "kind": kind, "from": old, "to": new, "ess": float(ess)})
         return old, new
 
-    def metrics(self, prefix: str) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
+        """The effective bound and how often it moved (unprefixed names)."""
         return {
-            f"{prefix}guard/max_lag": float(self.effective),
-            f"{prefix}guard/tightened": float(sum(c["kind"] == "tighten" for c in self.changes)),
-            f"{prefix}guard/relaxed": float(sum(c["kind"] == "relax" for c in self.changes)),
+            "guard/max_lag": float(self.effective),
+            "guard/tightened": float(sum(c["kind"] == "tighten" for c in self.changes)),
+            "guard/relaxed": float(sum(c["kind"] == "relax" for c in self.changes)),
         }
 
     def state_dict(self) -> dict[str, Any]:

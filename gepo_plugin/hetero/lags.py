@@ -6,9 +6,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-#: Metric prefix of the lag summary.
-LAG_PREFIX = "hetero/lag/"
-
 
 def response_lags(keys: Sequence[str], tags: Sequence[Mapping], learner_version: int) -> np.ndarray:
     """Per response: ``learner_version - min(min_global_steps over its prompt group)``; 0 for padding rows.
@@ -32,15 +29,15 @@ def response_lags(keys: Sequence[str], tags: Sequence[Mapping], learner_version:
     return lags
 
 
-def lag_summary(lags: np.ndarray, prefix: str = LAG_PREFIX) -> dict[str, float]:
-    """min / p50 / p95 / max / mean of the trained groups' lags (empty: nothing)."""
+def lag_summary(lags: np.ndarray) -> dict[str, float]:
+    """min / p50 / p95 / max / mean of the trained groups' lags (empty: nothing; unprefixed names)."""
     if lags.size == 0:
         return {}
     p50, p95 = np.percentile(lags, [50, 95])
     return {
-        f"{prefix}min": float(lags.min()),
-        f"{prefix}p50": float(p50),
-        f"{prefix}p95": float(p95),
-        f"{prefix}max": float(lags.max()),
-        f"{prefix}mean": float(lags.mean()),
+        "min": float(lags.min()),
+        "p50": float(p50),
+        "p95": float(p95),
+        "max": float(lags.max()),
+        "mean": float(lags.mean()),
     }

@@ -107,19 +107,20 @@ class SamplerRoster:
             "to start replacements"
         )
 
-    def metrics(self, prefix: str = "hetero/") -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
+        """Failures, replacements and who is alive (unprefixed names)."""
         out = {
-            f"{prefix}sampler_failures": float(len(self.failures)),
-            f"{prefix}sampler_replacements": float(self.replacements),
-            f"{prefix}sampler_replacements/starting": float(sum(self.starting.values())),
-            f"{prefix}sampler_replicas_alive": float(sum(len(members) for members in self.groups)),
+            "sampler_failures": float(len(self.failures)),
+            "sampler_replacements": float(self.replacements),
+            "sampler_replacements/starting": float(sum(self.starting.values())),
+            "sampler_replicas_alive": float(sum(len(members) for members in self.groups)),
         }
         for kind in FAILURES:
-            out[f"{prefix}sampler_failures/{kind}"] = float(sum(f.kind == kind for f in self.failures))
+            out[f"sampler_failures/{kind}"] = float(sum(f.kind == kind for f in self.failures))
         for group, members in enumerate(self.groups):
-            out[f"{prefix}sampler_group_{group}/alive"] = float(bool(members))
+            out[f"sampler_group_{group}/alive"] = float(bool(members))
         if self.failures:
-            out[f"{prefix}sampler_detect_s/last"] = self.failures[-1].detect_s
+            out["sampler_detect_s/last"] = self.failures[-1].detect_s
         return out
 
     def state_dict(self) -> dict[str, Any]:

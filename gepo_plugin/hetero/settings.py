@@ -9,8 +9,6 @@ Framework-free: plain mappings in.
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,6 +31,8 @@ from gepo_plugin.options import STRICT_BLOCK, OptionsError, parse_options
 
 #: Where the block lives in the plugin's config tree.
 HETERO_KEY = config_keys.HETERO
+#: ``hetero.transport`` of the weight relay.
+RELAY_TRANSPORT = "relay"
 
 
 class HeteroConfigError(OptionsError):
@@ -143,12 +143,6 @@ class HeteroConfig(BaseModel):
     def _coherent(self) -> HeteroConfig:
         if self.sampler_groups is not None and any(size < 1 for size in self.sampler_groups):
             raise ValueError(f"sampler_groups are replica counts >= 1, got {self.sampler_groups}")
-        groups, delays = self.sampler_groups, self.group_delays
-        if groups is not None and delays is not None and len(delays) != len(groups):
-            raise ValueError(
-                f"group_delays has {len(self.group_delays)} entries but sampler_groups has "
-                f"{len(self.sampler_groups)} groups; give one delay per group"
-            )
         try:
             self.policy()
         except StalenessConfigError as error:
@@ -156,7 +150,22 @@ class HeteroConfig(BaseModel):
         check_guard(self.guard, self.policy())
         if self.transport == "relay":
             self._check_relay()
+        if self.sampler_groups is not None:  # else the group count is known only with the replicas (group_sizes)
+            self.check_per_group(len(self.sampler_groups))
         return self
+
+    def check_per_group(self, groups: int, detail: str = "") -> None:
+        """The one check of the lists given per sampler group (``group_delays``; ``relay.links``, used with the
+        relay; an empty list of links is none given): one entry for each of ``groups`` (``detail``: how that count
+        arose)."""
+        links = self.relay.links if self.transport == RELAY_TRANSPORT else []
+        how = f" ({detail})" if detail else ""
+        for key, entries in (("group_delays", self.group_delays), ("relay.links", links or None)):
+            if entries is not None and len(entries) != groups:
+                raise HeteroConfigError(
+                    f"{HETERO_KEY}.{key} has {len(entries)} entries for {groups} sampler groups{how}; "
+                    "give one per group"
+                )
 
     def _check_relay(self) -> None:
         if not self.relay.url:
@@ -165,12 +174,6 @@ class HeteroConfig(BaseModel):
             raise ValueError(
                 "hetero.transport=relay moves real weights, so their delay is real: remove hetero.delay and "
                 "hetero.group_delays (rehearse a slow link with hetero.relay.links instead)"
-            )
-        groups = self.sampler_groups
-        if self.relay.links and groups is not None and len(self.relay.links) != len(groups):
-            raise ValueError(
-                f"hetero.relay.links has {len(self.relay.links)} entries but sampler_groups has {len(groups)} groups; "
-                "give one link per group"
             )
 
     def policy(self) -> StalenessPolicy:
@@ -213,9 +216,14 @@ class HeteroSettings:
         return self.config.guard
 
     @property
+    def transport(self) -> str:
+        """How weights reach the samplers (``hetero.transport``): the one place that says which transport is active."""
+        return self.config.transport
+
+    @property
     def relay(self) -> RelayConfig | None:
         """The relay's options when weights travel through it (``hetero.transport=relay``), else None."""
-        return self.config.relay if self.config.transport == "relay" else None
+        return self.config.relay if self.transport == RELAY_TRANSPORT else None
 
     @property
     def simulates_delay(self) -> bool:
@@ -237,15 +245,7 @@ class HeteroSettings:
                 f"rollout replicas{how}; make the sizes add up or set hetero.sampler_groups=null (one group per "
                 "replica)"
             )
-        if self.delays is not None and len(self.delays) != len(sizes):
-            raise HeteroConfigError(
-                f"hetero.group_delays has {len(self.delays)} entries for {len(sizes)} sampler groups; one per group"
-            )
-        links = self.relay.links if self.relay is not None else []
-        if links and len(links) != len(sizes):
-            raise HeteroConfigError(
-                f"hetero.relay.links has {len(links)} entries for {len(sizes)} sampler groups{how}; one per group"
-            )
+        self.config.check_per_group(len(sizes), detail)
         return sizes
 
     def delay_for(self, group: int) -> DelayModel | None:
@@ -257,23 +257,14 @@ class HeteroSettings:
 def parse_hetero(block: Mapping[str, Any] | None) -> HeteroSettings:
     """Validate the ``hetero`` block (a plain mapping, or an OmegaConf node) into :class:`HeteroSettings`.
 
-    Parsed once per process and block: the launcher, the trainer and verl's replay-buffer factory each hold the same
-    block, and every part of the result is immutable, so they share one parse.
+    Called once per process by the owner of the run's settings (the launcher; verl's trainer, which hands the result
+    to the replay buffer), and every part of the result is immutable.
     """
     if block is not None and not isinstance(block, dict):
-        from omegaconf import OmegaConf
+        from omegaconf import OmegaConf  # lazy: components import no config framework (a dict needs none)
 
         block = OmegaConf.to_container(block, resolve=True) if OmegaConf.is_config(block) else dict(block)
-    try:
-        canonical = json.dumps(block, sort_keys=True, allow_nan=True)
-    except TypeError:  # a value JSON cannot spell (only hand-built blocks): parse without the cache
-        return _parse_block(block)
-    return _parse_canonical(canonical)
-
-
-@functools.lru_cache(maxsize=16)
-def _parse_canonical(canonical: str) -> HeteroSettings:
-    return _parse_block(json.loads(canonical))
+    return _parse_block(block)
 
 
 def _parse_block(block: dict[str, Any] | None) -> HeteroSettings:

@@ -131,11 +131,12 @@ class WeightArrivalSchedule:
         """Versions whose weights must be kept: being downloaded, or the newest (the next download's source)."""
         return {d[0] for d in self.downloading if d is not None} | {self.latest}
 
-    def metrics(self, learner_version: int, prefix: str = "hetero/sampler_group") -> dict[str, float]:
-        out: dict[str, float] = {}
+    def metrics(self, learner_version: int) -> dict[tuple[int, str], float]:
+        """``(group, name) -> value``: the version each group holds, its age, and its mean drawn delay."""
+        out: dict[tuple[int, str], float] = {}
         for group, held in enumerate(self.held):
-            out[f"{prefix}_{group}/weight_version"] = float(held)
-            out[f"{prefix}_{group}/weight_age"] = float(learner_version - held)
+            out[group, "weight_version"] = float(held)
+            out[group, "weight_age"] = float(learner_version - held)
             if self.drawn[group]:
-                out[f"{prefix}_{group}/delay_mean_s"] = float(np.mean(self.drawn[group]))
+                out[group, "delay_mean_s"] = float(np.mean(self.drawn[group]))
         return out

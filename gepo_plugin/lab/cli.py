@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from gepo_plugin.lab import paired, paired_cli, stability, variance
+
 EPILOG = """examples:
   gepo-lab variance --out lab_out/variance
   gepo-lab stability --preset ci --out lab_out/stability_ci
@@ -50,8 +52,6 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per lab (options from each lab's ``add_*_arguments``)."""
-    from gepo_plugin.lab import paired, paired_cli, stability, variance
-
     parser = argparse.ArgumentParser(
         prog=prog,
         description="CPU lab for GEPO (arXiv 2508.17850): the paper's stability and variance claims at laptop "
@@ -99,8 +99,6 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
     Bad options exit with status 2 and a message naming the problem (argparse's ``error``).
     """
-    from gepo_plugin.lab import paired_cli, stability, variance
-
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     sub = parser._subparsers._group_actions[0].choices[args.command]  # the sub-parser, for its error messages

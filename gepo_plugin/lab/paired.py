@@ -61,7 +61,7 @@ def sign_test_p(wins: int, losses: int) -> float:
 
 def t_interval(values: np.ndarray, confidence: float = 0.95) -> tuple[float, float, float]:
     """Mean and two-sided Student-t confidence interval of the mean (nan interval for fewer than 2 values)."""
-    from scipy import stats
+    from scipy import stats  # optional: the [lab] extra
 
     mean = float(values.mean())
     if values.size < 2:

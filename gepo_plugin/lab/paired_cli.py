@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from gepo_plugin.lab.paired import METRICS, compare, load_runs, markdown
+from gepo_plugin.lab.paired_plot import draw_forest
 from gepo_plugin.lab.plots import plots_available
 
 
@@ -39,7 +40,5 @@ def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.json:
         args.json.write_text(json.dumps([r.as_dict() for r in results], indent=2) + "\n")
     if args.png and plots_available():
-        from gepo_plugin.lab.paired_plot import draw_forest  # matplotlib: the optional [lab] extra
-
         draw_forest(results, args.png)
     return 0

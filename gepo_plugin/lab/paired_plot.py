@@ -12,10 +12,10 @@ def draw_forest(results: Sequence[PairedResult], path: Path) -> None:
     """A forest plot (one row per ``a − b`` at one max lag, top to bottom in ``results``' order): the per-seed
     differences as dots, the mean as a diamond with its Student-t interval, zero as a dashed line; the sign test's
     tally and p on the right. Needs matplotlib (the ``[lab]`` extra)."""
-    import matplotlib
+    import matplotlib  # optional: the [lab] extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     rows = len(results)
     fig, ax = plt.subplots(figsize=(8.5, 0.45 * rows + 1.2))

@@ -11,7 +11,7 @@ def plots_available() -> bool:
     """True when matplotlib is installed; otherwise say once, up front, that the PNGs will be skipped and how to
     get them (results are written either way: CSV, JSON and the markdown table need no extra)."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  (optional: the [lab] extra; this is the probe)
     except ImportError:
         pass
     else:

@@ -75,6 +75,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from tqdm.auto import tqdm
 
 from gepo_plugin.hetero import drop_bias
 from gepo_plugin.lab.plots import plots_available
@@ -85,7 +87,8 @@ from gepo_plugin.lab.stability_config import (
     StabilityConfigError,
     resolve,
 )
-from gepo_plugin.lab.stability_sim import METHODS, OWN_WEIGHT
+from gepo_plugin.lab.stability_sim import METHODS, OWN_WEIGHT, MethodSpec, RunSetup, simulate_run
+from gepo_plugin.lab.stability_task import build_policy, build_task, supervised_warm_start
 from gepo_plugin.options_cli import add_model_arguments, given_values
 
 __all__ = [
@@ -134,7 +137,7 @@ def _pooled_drop_bias(runs: list[dict[str, Any]]) -> dict[str, float]:
         totals = run.get("drop_totals", {})
         dropped = drop_bias.add(dropped, totals.get("dropped", {}))
         trained = drop_bias.add(trained, totals.get("trained", {}))
-    return drop_bias.bias_metrics("", dropped, trained) | {"dropped_trajectories": dropped.get("trajectories", 0.0)}
+    return drop_bias.bias_metrics(dropped, trained) | {"dropped_trajectories": dropped.get("trajectories", 0.0)}
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
@@ -199,10 +202,10 @@ def _write_csvs(out_dir: Path, records: list[Any]) -> None:
 
 def _plot(out_dir: Path, records: list[Any], methods: list[str], lags: list[int]) -> None:
     """Eval-accuracy curves (one panel per max lag), and the weight-variance / KL diagnostics."""
-    import matplotlib
+    import matplotlib  # optional: the [lab] extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     palette = ("tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple", "tab:brown", "tab:cyan")
     colours = dict(zip(METHODS, palette, strict=True))
@@ -259,12 +262,6 @@ def run_stability(out_dir: Path, config: StabilityConfig, preset: str = "", prog
     disk). Wall-clock times are kept apart under ``summary["timing"]``; everything else is a deterministic function
     of the config (except with ``config.live``: real sampler processes, and the summary says ``"mode": "live"``).
     """
-    import torch
-    from tqdm.auto import tqdm
-
-    from gepo_plugin.lab.stability_sim import MethodSpec, RunSetup, simulate_run
-    from gepo_plugin.lab.stability_task import build_policy, build_task, supervised_warm_start
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     draw = plots_available()
@@ -298,7 +295,7 @@ def run_stability(out_dir: Path, config: StabilityConfig, preset: str = "", prog
             )
             timing[f"warm_start/seed{seed}"] = time.perf_counter() - tick
             if config.live and cluster is None:
-                from gepo_plugin.lab.stability_live import DEFAULT_TIME_SCALE, LiveCluster
+                from gepo_plugin.lab.stability_live import DEFAULT_TIME_SCALE, LiveCluster  # lazy: Ray, for --live
 
                 tick = time.perf_counter()
                 bar.set_postfix_str("starting Ray sampler actors")

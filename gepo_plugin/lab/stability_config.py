@@ -12,8 +12,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, model_validator
 
+from gepo_plugin.hetero.delays import LogNormalDelay
 from gepo_plugin.hetero.guard import GuardConfig, check_guard
-from gepo_plugin.hetero.staleness import DEFAULT_ADMISSION_MARGIN, DEFAULT_STRATEGY, StalenessPolicy
+from gepo_plugin.hetero.staleness import (
+    DEFAULT_ADMISSION_MARGIN,
+    DEFAULT_STRATEGY,
+    StalenessConfigError,
+    StalenessPolicy,
+)
 from gepo_plugin.options import STRICT_BLOCK, OptionsError, parse_options
 
 #: Methods the stability lab compares: each a preset of :data:`gepo_plugin.verl_glue.presets.PRESETS`, with the
@@ -147,16 +153,12 @@ class StabilityConfig(BaseModel):
 
     def policy(self, max_lag: int) -> StalenessPolicy:
         """The staleness policy of runs with ``max_lag``: HeteroRL's rule, the lab's strategy and margin."""
-        from gepo_plugin.hetero.staleness import StalenessConfigError
-
         try:
             return StalenessPolicy(max_lag=max_lag, strategy=self.strategy, admission_margin=self.admission_margin)
         except StalenessConfigError as error:
             raise ValueError(str(error)) from None
 
     def delay_model(self):
-        from gepo_plugin.hetero.delays import LogNormalDelay
-
         return LogNormalDelay.from_interval(self.delay_low, self.delay_high, self.delay_confidence)
 
 

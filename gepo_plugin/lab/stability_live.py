@@ -37,10 +37,14 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from gepo_plugin.lab.stability_sim import RunRecord, RunSetup
+import numpy as np
+import ray
+import torch
+
+from gepo_plugin.hetero.weight_schedule import WeightArrivalSchedule
+from gepo_plugin.lab.stability_sim import Learner, RunRecord, RunSetup, draw_problems, rollout_batch, snapshot
 
 #: Default wall-clock seconds per simulated second.
 DEFAULT_TIME_SCALE = 0.05
@@ -64,8 +68,6 @@ class LiveSampler:
         temperature: float,
         format_reward: float,
     ) -> None:
-        import torch
-
         torch.set_num_threads(1)
         self.index = index
         self.min_batch_seconds = float(seconds) * float(time_scale)
@@ -83,9 +85,6 @@ class LiveSampler:
     def start_run(self, seed: int, version: int, weights: dict[str, Any]) -> int:
         """Reset the random streams for a new run (seeded per sampler) and load its first weights; returns
         this process's id."""
-        import numpy as np
-        import torch
-
         self.prompt_rng = np.random.default_rng([int(seed), 0x5EED, self.index + 1])
         self.token_rng = torch.Generator().manual_seed(int(seed) * 1_000_003 + 7 + 7919 * (self.index + 1))
         self.load(version, weights)
@@ -99,8 +98,6 @@ class LiveSampler:
 
     def generate(self, first_gid: int, submitted: int = 0) -> dict[str, Any]:
         """One rollout batch with the held weights, taking at least ``seconds * time_scale`` wall seconds."""
-        from gepo_plugin.lab.stability_sim import draw_problems, rollout_batch
-
         start = time.monotonic()
         problems = draw_problems(self.task, self.prompt_rng, self.groups_per_batch)
         groups = rollout_batch(
@@ -152,8 +149,6 @@ class LiveCluster:
         settings: Any,
         ray_cpus: int | None = None,
     ) -> None:
-        import ray
-
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0 wall seconds per simulated second, got {time_scale}")
         self.time_scale = float(time_scale)
@@ -181,8 +176,6 @@ class LiveCluster:
         ]
 
     def close(self) -> None:
-        import ray
-
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
@@ -229,11 +222,6 @@ class LiveRun:
         on_step: Callable[[RunRecord], None] | None = None,
         stall_seconds: float | None = None,
     ) -> None:
-        import ray
-
-        from gepo_plugin.hetero.weight_schedule import WeightArrivalSchedule
-        from gepo_plugin.lab.stability_sim import Learner, snapshot
-
         config = setup.config
         if len(config.sampler_seconds) != len(cluster.actors):
             raise ValueError(f"{len(config.sampler_seconds)} sampler speeds for {len(cluster.actors)} sampler actors")
@@ -285,10 +273,6 @@ class LiveRun:
     def finish_due_update(self) -> bool:
         """If the running update's time is up: make its version current, publish its weights, report the step.
         Returns whether an update finished."""
-        import ray
-
-        from gepo_plugin.lab.stability_sim import snapshot
-
         if self.learner_done_at is None or self.clock() < self.learner_done_at:
             return False
         learner = self.learner
@@ -304,16 +288,12 @@ class LiveRun:
 
     def collect_finished(self) -> None:
         """Admit every batch that has finished, without waiting."""
-        import ray
-
         if self.pending:
             done, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
             self.collect(done)
 
     def collect(self, refs: list[Any]) -> None:
         """Admit the batches behind ``refs``, checking each group's version against the one its sampler was sent."""
-        import ray
-
         for ref in refs:
             state = self.pending.pop(ref)
             result = ray.get(ref)
@@ -366,8 +346,6 @@ class LiveRun:
 
     def wait_for_next_event(self) -> None:
         """Block until a batch finishes or the next weight arrival or update end is due."""
-        import ray
-
         deadlines = [download[2] for download in self.schedule.downloading if download is not None]
         if self.learner_done_at is not None:
             deadlines.append(self.learner_done_at)
@@ -387,8 +365,6 @@ class LiveRun:
 
     def finish(self) -> RunRecord:
         """Drain the actors (batches still running are discarded, as in the simulation) and close the record."""
-        import ray
-
         scale, states = self.scale, self.states
         sim_seconds = self.clock()
         discarded = len(self.pending)

@@ -169,6 +169,7 @@ def actor_config_for(spec: MethodSpec):
     ``global_batch_info`` is filled in as verl's ``ppo_loss`` does for one data-parallel rank whose
     micro-batch is the whole mini-batch (``None`` totals = this batch's own, as in bench/bench_loss.py).
     """
+    # lazy: verl (seconds to import) only once a run needs its loss, so gepo-lab starts at once
     import verl  # noqa: F401  (verl's plugin entry point registers the gepo loss on import)
 
     import gepo_plugin.verl_glue.losses  # noqa: F401  (and make sure, if entry points are not installed)
@@ -246,7 +247,7 @@ def policy_update(
     fmask = mask.to(torch.float32)
     advantages = seq_adv.unsqueeze(1) * fmask  # verl's outcome advantages are masked the same way
 
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn  # verl's registry (the plugin's loss is in it)
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn  # lazy, as above (the plugin's loss is in it)
 
     model.train()
     log_prob = token_log_probs(model, task.prompts[problems], tokens, temperature) * fmask
@@ -342,7 +343,7 @@ class RunRecord:
             "ess_mean": _mean_of(self.steps, "ess"),
             "ess_min": min(s["ess"] for s in self.steps) if self.steps else 1.0,
             "guard_changes": list(self.guard_changes),
-            "drop_bias": drop_bias.bias_metrics("", self.dropped_totals, self.trained_totals),
+            "drop_bias": drop_bias.bias_metrics(self.dropped_totals, self.trained_totals),
             "drop_totals": {"dropped": dict(self.dropped_totals), "trained": dict(self.trained_totals)},
             "ledger": dict(self.ledger),
             "sim_seconds": self.sim_seconds,
@@ -461,7 +462,7 @@ class Learner:
     def note_weights_published(self, oldest_held: int) -> None:
         """A new learner step begins: record the oldest weights any sampler holds (the in-flight bound of prompts
         dispatched during the step, exactly as verl's delayed weight sync records it)."""
-        self.queue.core.version_floors[self.step] = int(oldest_held)
+        self.queue.core.record_floor(self.step, oldest_held)
 
     def ready(self, in_flight: dict[str, int]) -> bool:
         """May an update start now (``in_flight``: in-flight group name -> the learner step it was dispatched at)?"""
@@ -506,7 +507,7 @@ class Learner:
     def finish(self, seconds: float) -> RunRecord:
         """Final ledger check; returns the record with the ledger counters and the run's duration."""
         self.ledger.check()
-        self.record.ledger = self.queue.core.metrics(prefix="")
+        self.record.ledger = self.queue.core.metrics()
         self.record.sim_seconds = seconds
         return self.record
 

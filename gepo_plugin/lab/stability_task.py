@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gepo_plugin.tiny import build_tokenizer, tiny_model_config
+
 
 @dataclass(frozen=True)
 class AdditionTask:
@@ -59,8 +61,6 @@ class AdditionTask:
 
 def build_task(max_a: int = 50, max_b: int = 10, eval_fraction: float = 0.25, task_seed: int = 0) -> AdditionTask:
     """All ``max_a * max_b`` problems, shuffled by ``task_seed`` and split into train/eval."""
-    from gepo_plugin.tiny import build_tokenizer
-
     if max_a < 1 or max_b < 1:
         raise ValueError(f"max_a and max_b must be >= 1, got {max_a}, {max_b}")
     if not 0 < eval_fraction < 1:
@@ -99,9 +99,7 @@ def build_task(max_a: int = 50, max_b: int = 10, eval_fraction: float = 0.25, ta
 
 def build_policy(task: AdditionTask, seed: int, hidden: int = 64, layers: int = 2, heads: int = 4) -> torch.nn.Module:
     """A randomly initialised tiny Llama LM (float32, CPU), its init seeded by ``seed``."""
-    from transformers import LlamaForCausalLM
-
-    from gepo_plugin.tiny import tiny_model_config
+    from transformers import LlamaForCausalLM  # lazy: transformers (seconds), only when a policy is built
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_model_config(task.vocab_size, hidden=hidden, layers=layers, heads=heads))

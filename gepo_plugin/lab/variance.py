@@ -43,6 +43,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from gepo_plugin.lab.plots import plots_available
+from gepo_plugin.maths.options import GEPO_DEFAULTS
 
 FloatArray = NDArray[np.float64]
 
@@ -386,10 +387,10 @@ def plot_family(res: FamilyResult, c_star: float, path: Path) -> None:
     Cells with zero variance (the ``p/q`` weight on the diagonal, GEPO's at ``a = 1/2``) cannot
     be drawn on a log axis and are omitted from the left panel; the legend says how many.
     """
-    import matplotlib
+    import matplotlib  # optional: the [lab] extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     title = {"bernoulli": "p=Bern(a), q=Bern(b)", "gaussian": "p=N(a,1), q=N(b,1)"}[res.family]
     fig, (ax_var, ax_gap) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -424,10 +425,10 @@ def plot_family(res: FamilyResult, c_star: float, path: Path) -> None:
 
 def plot_gepo_plus(res: FamilyResult, plus: dict[str, FloatArray], threshold: float, path: Path) -> None:
     """GEPO+'s weight variance (hard and soft) against KL, beside ``p/q``'s and GEPO's (log y; zeros omitted)."""
-    import matplotlib
+    import matplotlib  # optional: the [lab] extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     title = {"bernoulli": "p=Bern(a), q=Bern(b)", "gaussian": "p=N(a,1), q=N(b,1)"}[res.family]
     fig, axis = plt.subplots(figsize=(6.5, 4.2))
@@ -522,8 +523,7 @@ def run_variance(
     ``figure2_bernoulli.png``, ``figure2_gaussian.png`` and GEPO+'s ``figure2_gepo_plus_<family>.png``
     (:mod:`gepo_plugin.lab.variance_plus`, at ``gepo_plus_threshold``: the loss's default if None).
     """
-    from gepo_plugin.lab.variance_plus import summarise_plus, var_gepo_plus
-    from gepo_plugin.maths.options import GEPO_DEFAULTS
+    from gepo_plugin.lab.variance_plus import summarise_plus, var_gepo_plus  # optional: scipy, the [lab] extra
 
     threshold = GEPO_DEFAULTS.gepo_plus_kl_threshold if gepo_plus_threshold is None else gepo_plus_threshold
     out_dir = Path(out_dir)

@@ -200,6 +200,22 @@ def k3_kl(log_prob: torch.Tensor, sampler_log_prob: torch.Tensor) -> torch.Tenso
     return torch.exp(delta) - delta - 1.0
 
 
+def check_clip_range(
+    low: float | None, high: float | None, prefix: str = "", error: type[Exception] = GEPOInputError
+) -> None:
+    """The one rule for the clip range ``[1 - low, 1 + high]`` of ``w``, at start-up and in the loss: both finite
+    and ``>= 0``, ``low < 1``. ``None``: not set here, not checked; ``prefix``: where the keys live in a config."""
+    for name, value in (("clip_ratio_low", low), ("clip_ratio_high", high)):
+        if value is None:
+            continue
+        if not math.isfinite(float(value)):
+            raise error(f"{prefix}{name}={value}: must be a finite number")
+        if float(value) < 0:
+            raise error(f"{prefix}{name}={value}: must be >= 0 (the clip range is 1-low .. 1+high)")
+    if low is not None and float(low) >= 1:
+        raise error(f"{prefix}clip_ratio_low={low}: must be < 1 (the lower bound is 1 - low)")
+
+
 def gepo_token_losses(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -230,15 +246,7 @@ def gepo_token_losses(
         :class:`GEPOLossTerms` whose ``token_losses`` is to be aggregated with verl's
         ``agg_loss`` (or any other aggregation) over ``response_mask``.
     """
-    if not (math.isfinite(clip_ratio_low) and math.isfinite(clip_ratio_high)):
-        raise GEPOInputError(f"clip ratios must be finite, got low={clip_ratio_low}, high={clip_ratio_high}")
-    if clip_ratio_low < 0 or clip_ratio_high < 0:
-        raise GEPOInputError(
-            f"clip ratios must be >= 0, got low={clip_ratio_low}, high={clip_ratio_high} "
-            "(set actor_rollout_ref.actor.clip_ratio_low/high to e.g. 0.2)"
-        )
-    if clip_ratio_low >= 1:
-        raise GEPOInputError(f"clip_ratio_low must be < 1 (the lower bound is 1 - low), got {clip_ratio_low}")
+    check_clip_range(clip_ratio_low, clip_ratio_high)
     if sampler_kl_coef < 0:
         raise GEPOInputError(f"sampler_kl_coef must be >= 0, got {sampler_kl_coef}")
     if not 0 < log_ratio_cap <= MAX_LOG_RATIO_CAP:

@@ -14,9 +14,6 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-#: Metric prefix: ``max``, ``mean`` (absolute log-prob gaps over the fresh responses' tokens) and ``tokens``.
-FRESH_GAP_PREFIX = "rollout/fresh_logprob_gap/"
-
 
 def fresh_responses(tags: Sequence[Mapping], learner_version: int) -> np.ndarray:
     """Per response: generated entirely by ``learner_version`` (verl's padding rows are not)."""
@@ -33,7 +30,8 @@ def fresh_responses(tags: Sequence[Mapping], learner_version: int) -> np.ndarray
 def fresh_logprob_gap(
     fresh: np.ndarray, rollout_log_probs: torch.Tensor, learner_log_probs: torch.Tensor, response_mask: torch.Tensor
 ) -> dict[str, float]:
-    """``|rollout - learner|`` over the response tokens of the ``fresh`` rows (``tokens`` 0 when there are none).
+    """``|rollout - learner|`` over the response tokens of the ``fresh`` rows: ``max``, ``mean`` and ``tokens`` (0
+    when there are none; unprefixed names).
 
     The three ``(responses, length)`` tensors may be padded to different lengths (nested fields are padded to their
     longest row): the masked tokens lie within the shortest."""
@@ -42,10 +40,10 @@ def fresh_logprob_gap(
     selected = response_mask[:, :width].bool() & torch.as_tensor(fresh, dtype=torch.bool)[:, None]
     count = int(selected.sum())
     if count == 0:
-        return {f"{FRESH_GAP_PREFIX}tokens": 0.0}
+        return {"tokens": 0.0}
     gap = (rollout_log_probs.double() - learner_log_probs.double()).abs()[selected]
     return {
-        f"{FRESH_GAP_PREFIX}max": float(gap.max()),
-        f"{FRESH_GAP_PREFIX}mean": float(gap.mean()),
-        f"{FRESH_GAP_PREFIX}tokens": float(count),
+        "max": float(gap.max()),
+        "mean": float(gap.mean()),
+        "tokens": float(count),
     }

@@ -265,7 +265,8 @@ def check_answer(prediction: str, gold: str, timeout_s: float | None = DEFAULT_T
     limit = float(timeout_s) if timeout_s else None
     if limit is None or threading.current_thread() is threading.main_thread():
         return _check_timed(prediction, gold, limit)
-    # Import by package name so the pool can pickle the function even when verl loaded this file by path.
+    # Import by package name so the pool can pickle the function even when verl loaded this file by path (here, not
+    # at the top: this module importing itself).
     from gepo_plugin.rewards import math_verify_reward as module
 
     future = None

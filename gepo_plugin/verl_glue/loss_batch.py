@@ -11,7 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.config import omega_conf_to_dataclass
 
 
 def compose_actor_config(overrides: list[str] | None = None):
@@ -19,10 +23,6 @@ def compose_actor_config(overrides: list[str] | None = None):
 
     Overrides are relative to ``actor_rollout_ref.actor`` (e.g. ``["policy_loss.loss_mode=gepo"]``).
     """
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-    from verl.utils.config import omega_conf_to_dataclass
-
     full = [f"actor_rollout_ref.actor.{item}" for item in (overrides or [])]
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="gepo_plugin.config", version_base=None):
@@ -46,8 +46,6 @@ def build_loss_inputs(
     ``log_prob`` may require grad; gradients flow back to it through the flat layout.
     ``response_mask`` must mark a prefix of each row (verl's right-padded responses).
     """
-    from verl.utils import tensordict_utils as tu
-
     batch, width = response_mask.shape
     mask = response_mask.to(torch.int64)
     lengths = mask.sum(-1)

@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
+from verl.utils.metric import Metric
 
+from gepo_plugin import metric_names
 from gepo_plugin.hetero.lag_buckets import BY_LAG, IS_BY_LAG, weight_sums_by_lag
 from gepo_plugin.maths import GroupIndex, gepo_token_losses, group_log_expectation, sequence_log_prob
 from gepo_plugin.maths.gepo_metrics import STEP_STATISTICS, STEP_TOTALS, TOTALS, stats_from_totals
 from gepo_plugin.maths.gepo_plus import GEPOPlusRule
 from gepo_plugin.verl_glue.config import gepo_options
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, RESPONSE_LAG, current_response_terms
-
-METRIC_PREFIX = "actor/gepo/"
 
 GROUP_TERM_MISSING = (
     "GEPO's per-prompt group term (field '" + LOG_GROUP_EXPECTATION + "') did not reach the loss. verl's "
@@ -162,14 +162,14 @@ def _gepo_family_loss(
         "actor/ppo_kl": m.get("ppo_kl", 0.0),
         "actor/pg_clipfrac_lower": 0.0,
         # MAX / MIN over micro-batches: a micro-batch without sequences reports a value that never wins
-        f"{METRIC_PREFIX}iw_max": 0.0 if empty else m["iw_max"],
-        f"{METRIC_PREFIX}iw_min": math.exp(options.log_ratio_cap) if empty else m["iw_min"],
-        f"{METRIC_PREFIX}log_iw_max": -sys.float_info.max if empty else m["log_iw_max"],
+        f"{metric_names.GEPO_LOSS}iw_max": 0.0 if empty else m["iw_max"],
+        f"{metric_names.GEPO_LOSS}iw_min": math.exp(options.log_ratio_cap) if empty else m["iw_min"],
+        f"{metric_names.GEPO_LOSS}log_iw_max": -sys.float_info.max if empty else m["log_iw_max"],
     }
     for name in TOTALS:
         if plus or name != "own_sum":
-            metrics[f"{METRIC_PREFIX}{STEP_TOTALS}{name}"] = terms.totals[name]
-    metrics[f"{METRIC_PREFIX}group_term_present"] = 1.0 if group_scope == "prompt" else 0.0
+            metrics[f"{metric_names.GEPO_LOSS}{STEP_TOTALS}{name}"] = terms.totals[name]
+    metrics[f"{metric_names.GEPO_LOSS}group_term_present"] = 1.0 if group_scope == "prompt" else 0.0
     lags = current_response_terms().get(RESPONSE_LAG)
     if lags is not None and terms.log_weights is not None:
         # HeteroRL: the loss's weight and the sequence ratio p_i / q_i (the staleness guard's ESS/N) by staleness
@@ -179,20 +179,20 @@ def _gepo_family_loss(
         for segment, log_w in ((BY_LAG, terms.log_weights), (IS_BY_LAG, terms.log_seq_ratios)):
             for label, entry in weight_sums_by_lag(log_w, lags, terms.row_valid).items():
                 for field, value in entry.items():
-                    metrics[f"{METRIC_PREFIX}{segment}{label}/{field}"] = value
+                    metrics[f"{metric_names.GEPO_LOSS}{segment}{label}/{field}"] = value
     return pg_loss, metrics
 
 
 def finalize_gepo_metrics(metrics: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """Replace a step's ``actor/gepo/step_totals/*`` by the step's exact means (``actor/gepo/iw_mean``, ``iw_std``,
     ``ess``, ``clipfrac``, ``log_ratio_cap_frac``, ``sampler_kl``, and GEPO+'s ``own_denominator_frac``). In place."""
-    prefix = METRIC_PREFIX + STEP_TOTALS
+    prefix = metric_names.GEPO_LOSS + STEP_TOTALS
     totals = {key.removeprefix(prefix): float(metrics.pop(key)) for key in [k for k in metrics if k.startswith(prefix)]}
     if not totals:
         return metrics
     for name, value in stats_from_totals(totals).items():
         if name in STEP_STATISTICS and (name != "own_denominator_frac" or "own_sum" in totals):
-            metrics[METRIC_PREFIX + name] = value
+            metrics[metric_names.GEPO_LOSS + name] = value
     return metrics
 
 
@@ -200,8 +200,6 @@ def step_metrics(micro_batches: Iterable[Mapping[str, Any]]) -> dict[str, float]
     """One rank's metrics of a mini-batch from its micro-batches' metric dicts, aggregated as verl's engine does
     (each verl ``Metric`` by its own aggregation, plain values as a mean), then finalised
     (:func:`finalize_gepo_metrics`): for the demo, tests and benchmarks that drive ``ppo_loss`` themselves."""
-    from verl.utils.metric import Metric
-
     merged: dict[str, Any] = {}
     for metrics in micro_batches:
         for key, value in metrics.items():

@@ -8,7 +8,6 @@ verl terms (``python -m gepo_plugin presets`` prints it).
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from gepo_plugin.config_keys import (
     NORM_ADV_BY_STD,
 )
 from gepo_plugin.config_tree import NO_USER_KEYS, UserKeys
+from gepo_plugin.options import did_you_mean
 from gepo_plugin.verl_glue.errors import PluginConfigError
 
 
@@ -171,8 +171,7 @@ class UnknownLossError(PluginConfigError):
 
 def get_preset(name: str) -> LossPreset:
     if name not in PRESETS:
-        close = difflib.get_close_matches(str(name), sorted(PRESETS), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(name, PRESETS)
         raise UnknownLossError(
             f"algorithm.loss={name!r} is not a known loss{hint}. Valid names: {', '.join(sorted(PRESETS))} "
             "(or leave algorithm.loss unset for plain verl behaviour)."

@@ -12,17 +12,23 @@ that never trains (a rollout server, a reward worker) never pays for them.
 
 If the plugin module is already being imported (a user imported it first, and it imported verl), the hook leaves
 it alone: its decorators run when its own import finishes. Errors are recorded in :data:`ERRORS` and logged as a
-WARNING naming the module, because verl swallows plugin errors at DEBUG level.
+WARNING naming the module, because verl swallows plugin errors at DEBUG level. One kind is raised as well: a patch
+the process needs that refuses its installed versions (:func:`gepo_plugin.patching.stops_the_process`), so that the
+process stops with the patch's message rather than with whatever verl does unpatched.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterable
 
-from gepo_plugin.names import expected_names
+import wrapt
+
+from gepo_plugin.names import expected_names, registered_names
+from gepo_plugin.verl_glue.hetero.server_identity import ENV
 
 #: The environment switch of patches/learner_placement.py (:data:`gepo_plugin.verl_glue.hetero.placement.ENV`; named
 #: here too so that ``import verl`` need not import the placement module to read it).
@@ -45,6 +51,13 @@ def run_recorded(step: str, action: Callable[[], object]) -> None:
 
     Raising here would fail the import of verl's own module (a broken plugin would break verl), and verl
     would swallow it at DEBUG level anyway; a WARNING that names the step is what the user needs.
+
+    Except a patch's version refusal (:func:`gepo_plugin.patching.stops_the_process`): the step applies a patch this
+    process needs (the gloo process group on the CPU backend, vLLM-CPU's weight path), and going on unpatched ends
+    in an unrelated error later (torch's ``Duplicate device type cpu`` without ``gloo_process_group``). It is
+    recorded and logged, then raised: the import of verl's module that triggered the step fails with the patch's
+    message and fix. The launcher refuses such a run before Ray starts; this is for a process whose installed
+    versions differ from the launcher's.
     """
     try:
         action()
@@ -55,6 +68,10 @@ def run_recorded(step: str, action: Callable[[], object]) -> None:
             step,
             ERRORS[step],
         )
+        from gepo_plugin.patching import stops_the_process  # lazy: keeps import verl cheap
+
+        if stops_the_process(error):
+            raise
 
 
 def import_registering(modules: Iterable[str]) -> None:
@@ -66,19 +83,17 @@ def import_registering(modules: Iterable[str]) -> None:
 
 def on_import(module: str, callback) -> None:
     """Run ``callback(module_object)`` once ``module`` is imported (at once if it already is)."""
-    import wrapt
-
     wrapt.register_post_import_hook(callback, module)
 
 
 def _apply_server_identity() -> None:
-    from gepo_plugin.patching import apply_optional
+    from gepo_plugin.patching import apply_optional  # lazy: keeps import verl cheap
 
     apply_optional("server_identity", "per-sampler-group throughput metrics are unavailable", logger)
 
 
 def _apply_learner_placement() -> None:
-    from gepo_plugin.patching import apply_optional
+    from gepo_plugin.patching import apply_optional  # lazy: keeps import verl cheap
 
     apply_optional("learner_placement", "verl's own services may land on sampler nodes", logger)
 
@@ -97,10 +112,6 @@ def install() -> None:
     learner nodes' resource (``GEPO_LEARNER_RESOURCE``): verl's services are kept there once verl's V1 trainer
     package (imported by the TaskRunner before it creates them) is imported.
     """
-    import os
-
-    from gepo_plugin.verl_glue.hetero.server_identity import ENV
-
     for verl_module, plugin_modules in REGISTRATIONS.items():
         on_import(verl_module, lambda _module, mods=plugin_modules: import_registering(mods))
     if os.environ.get(ENV) == "1":
@@ -117,8 +128,6 @@ def install() -> None:
 
 def registration_status() -> dict[str, object]:
     """What verl's registries of THIS process hold (importing them, which completes any pending registration)."""
-    from gepo_plugin.names import registered_names
-
     found = registered_names()
     expected = expected_names()
     missing = [name for kind, names in expected.items() for name in names if name not in found[kind]]

@@ -20,6 +20,8 @@ from contextvars import ContextVar
 
 import torch
 
+from gepo_plugin.hetero.lag_buckets import BY_LAG_SEGMENTS
+from gepo_plugin.maths.gepo_metrics import STEP_TOTALS
 from gepo_plugin.verl_glue import seam
 
 #: Field with ``log E_hat_q[q]`` of each response's prompt group (GEPO's denominator).
@@ -63,7 +65,7 @@ def extract_response_terms(data) -> dict[str, torch.Tensor]:
 
 def _rewrapped(metric, aggregation):
     """The same values under another aggregation (``Metric.values`` is a seam contact)."""
-    from verl.utils.metric import Metric
+    from verl.utils.metric import Metric  # lazy: the lab imports this module without verl (gepo-lab's start-up)
 
     seam.require("metric_aggregation")
     out = Metric(aggregation)
@@ -76,10 +78,7 @@ def _fix_metric_aggregation(metrics: dict) -> dict:
     aggregate as MAX / MIN instead, or it would report a mean of maxima; the by-lag totals
     (:mod:`gepo_plugin.hetero.lag_buckets`) and the step totals (:mod:`gepo_plugin.maths.gepo_metrics`) as SUM, so
     every mini-batch carries the same scale (1 / dp size)."""
-    from verl.utils.metric import AggregationType, Metric
-
-    from gepo_plugin.hetero.lag_buckets import BY_LAG_SEGMENTS
-    from gepo_plugin.maths.gepo_metrics import STEP_TOTALS
+    from verl.utils.metric import AggregationType, Metric  # lazy, as above
 
     for key, value in list(metrics.items()):
         if not key.startswith("actor/gepo/") or not isinstance(value, Metric):
@@ -95,6 +94,7 @@ def _fix_metric_aggregation(metrics: dict) -> dict:
 
 def ppo_loss_with_response_terms(config, model_output, data, dp_group=None):
     """verl's ``ppo_loss``, with the micro-batch's per-response terms made visible to the policy loss."""
+    # lazy: a cycle through verl (its losses module imports the registry whose hook imports ours, which imports this)
     from verl.workers.utils.losses import ppo_loss
 
     with provide_response_terms(extract_response_terms(data)):

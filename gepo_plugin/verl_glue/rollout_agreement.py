@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
+from gepo_plugin import metric_names
 from gepo_plugin.config_keys import BYPASS_MODE, CALCULATE_LOG_PROBS
 from gepo_plugin.maths.rollout_agreement import fresh_logprob_gap, fresh_responses
 from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
+from gepo_plugin.verl_glue.weight_versions import learner_version
 
 #: The sampler's log-probs, the learner's (decoupled mode) and the response mask.
 AGREEMENT_FIELDS = frozenset({"rollout_log_probs", "old_log_probs", "response_mask"})
@@ -37,8 +39,7 @@ class RolloutAgreementMixin(AdvantageFieldsMixin):
         writes = super()._advantage_writes(batch, data, metrics)
         if self._reports_agreement():
             # during step s the learner holds version s - 1, the one it sent the rollout at the end of step s - 1
-            fresh = fresh_responses(batch.tags, learner_version=self.global_steps - 1)
-            metrics.update(
-                fresh_logprob_gap(fresh, data["rollout_log_probs"], data["old_log_probs"], data["response_mask"])
-            )
+            fresh = fresh_responses(batch.tags, learner_version=learner_version(self.global_steps))
+            gap = fresh_logprob_gap(fresh, data["rollout_log_probs"], data["old_log_probs"], data["response_mask"])
+            metrics.update(metric_names.under(metric_names.FRESH_GAP, gap))
         return writes

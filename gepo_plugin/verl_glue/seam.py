@@ -18,6 +18,11 @@ What this buys:
 Code that touches a private name obtains it here (:func:`resolve`, :func:`replace`), so a grep for the seam finds
 every such place. Overridden private methods (``_setup`` ...) cannot be routed through a function; their classes
 call :func:`require` for their feature instead, and the methods are listed here.
+
+Where verl moves things, a contact is declared at its most stable location with the others as fallbacks
+(:attr:`Contact.fallbacks`): the first location that imports and has the name is used, and the doctor shows which.
+Where verl's signatures differ between versions, :func:`accepted_kwargs` passes a call only the keyword arguments
+the installed callable takes (each such argument is declared on its contact, :attr:`Contact.optional_kwargs`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import contextlib
 import importlib
 import inspect
 import logging
+import re
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -89,6 +95,11 @@ class Contact:
         source_marker: for instance attributes (invisible on the class), a string that must appear in the
             source of the object at ``qualname``.
         package: the distribution that ships it (for the version check).
+        fallbacks: other locations, ``"module:qualname"``, tried in order when ``module.qualname`` does not resolve
+            (its module is gone or lacks the name): ``module``/``qualname`` is the most stable location, these are
+            where other verl versions have it. ``replace`` sets the name where it resolved.
+        optional_kwargs: keyword arguments the plugin passes only where the installed callable takes them
+            (:func:`accepted_kwargs`).
     """
 
     module: str
@@ -99,15 +110,23 @@ class Contact:
     returns: str | None = None
     source_marker: str | None = None
     package: str = "verl"
+    fallbacks: tuple[str, ...] = ()
+    optional_kwargs: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         return f"{self.module}.{self.qualname}"
 
+    @property
+    def locations(self) -> tuple[tuple[str, str], ...]:
+        """``(module, qualname)`` of every location, the declared one first, then the fallbacks in order."""
+        return ((self.module, self.qualname), *(tuple(location.split(":", 1)) for location in self.fallbacks))
+
 
 _TRAINER = "verl.trainer.ppo.v1.trainer_base"
 _BUFFER = "verl.trainer.ppo.v1.replay_buffer"
 _SERVER = "verl.workers.rollout.llm_server"
+_ROUTER = "verl.workers.rollout.router"  # verl 0.9.1's home of the load balancer (re-exported by llm_server)
 _MEGATRON_RANDOM = "megatron.core.tensor_parallel.random"
 
 CONTACTS: tuple[Contact, ...] = (
@@ -198,21 +217,32 @@ CONTACTS: tuple[Contact, ...] = (
         "override: install arrived weights while the learner waits",
         ("self", "partition_id", "last_debug_time"),
     ),
+    Contact(
+        _BUFFER,
+        "ReplayBufferAsync.__init__",
+        ("hetero",),
+        "call (HeteroReplayBuffer): verl's own staleness bound switched off as the installed version takes it "
+        "(None where it admits None, else a bound no run reaches; left out where there is none)",
+        ("self",),
+        optional_kwargs=("max_off_policy_threshold",),
+    ),
     # elastic samplers: a lost replica leaves the balancer, the weight sync and verl's replica lists; a
     # replacement is started like verl's standalone replicas (public names, whose shape the plugin relies on)
     Contact(
-        "verl.workers.rollout.router",
+        _SERVER,
         "GlobalRequestLoadBalancer.remove_servers",
         ("elastic_samplers",),
         "call: stop routing to a lost replica's server",
         ("self", "server_ids"),
+        fallbacks=(f"{_ROUTER}:GlobalRequestLoadBalancer.remove_servers",),
     ),
     Contact(
-        "verl.workers.rollout.router",
+        _SERVER,
         "GlobalRequestLoadBalancer.add_servers",
         ("elastic_samplers",),
         "call: route to a replacement",
         ("self", "servers"),
+        fallbacks=(f"{_ROUTER}:GlobalRequestLoadBalancer.add_servers",),
     ),
     Contact(
         "verl.checkpoint_engine.base",
@@ -227,6 +257,14 @@ CONTACTS: tuple[Contact, ...] = (
         ("elastic_samplers",),
         "call: a replacement joins its group's weight sync",
         ("self", "replicas"),
+    ),
+    Contact(
+        "verl.checkpoint_engine.base",
+        "CheckpointEngineManager.abort_replicas",
+        ("hetero",),
+        "call: abort a sampler group's in-flight requests (reject_request= where the installed version takes it)",
+        ("self",),
+        optional_kwargs=("reject_request",),
     ),
     Contact(
         _SERVER,
@@ -287,7 +325,7 @@ CONTACTS: tuple[Contact, ...] = (
         source_marker="self.reward_loop_workers_class.options(",
     ),
     Contact(
-        "verl.workers.rollout.router",
+        _ROUTER,
         "_create_global_sticky_inflight",
         ("learner_placement",),
         "replace: the same factory, creating the load balancer on a learner node",
@@ -295,10 +333,11 @@ CONTACTS: tuple[Contact, ...] = (
         source_marker="ray.remote(load_balancer_cls).remote(**kwargs)",
     ),
     Contact(
-        "verl.workers.rollout.router",
+        _SERVER,
         "GlobalRequestLoadBalancer",
         ("learner_placement",),
         "read: the default load balancer (full_determinism is passed to it only)",
+        fallbacks=(f"{_ROUTER}:GlobalRequestLoadBalancer",),
     ),
     Contact(
         "transfer_queue.interface",
@@ -524,6 +563,19 @@ CONTACTS: tuple[Contact, ...] = (
 
 #: Contacts by their :attr:`Contact.name`.
 BY_NAME: dict[str, Contact] = {contact.name: contact for contact in CONTACTS}
+#: Contacts by the dotted name of each fallback location too (code written against an older layout still finds them).
+_BY_ANY_NAME: dict[str, Contact] = {
+    **{f"{module}.{qualname}": contact for contact in CONTACTS for module, qualname in contact.locations[1:]},
+    **BY_NAME,
+}
+
+
+def contact_named(name: str) -> Contact:
+    """The contact declared at ``name`` (its own name or one of its fallback locations'); KeyError if none is."""
+    try:
+        return _BY_ANY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a contact declared in gepo_plugin/verl_glue/seam.py (CONTACTS)") from None
 
 
 def installed_version(package: str) -> str | None:
@@ -591,19 +643,52 @@ def _logging_as_found():
             handler.setLevel(handler_level)
 
 
-def _lookup(contact: Contact) -> tuple[Any, str, Any]:
-    """(owner object, attribute name, value) of a contact; raises ImportError/AttributeError."""
+class _NotFound(LookupError):
+    """No location of a contact resolves; the message says why for each one tried."""
+
+
+def _lookup_at(module: str, qualname: str) -> tuple[Any, str, Any]:
+    """(owner object, attribute name, value) of ``module.qualname``; raises AttributeError or the import's error."""
     with warnings.catch_warnings(), _logging_as_found():  # megatron-core announces, at import, the GPU kernels a
         # CPU host lacks
         warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning)
-        owner: Any = importlib.import_module(contact.module)
-    *path, attribute = contact.qualname.split(".")
+        owner: Any = importlib.import_module(module)
+    *path, attribute = qualname.split(".")
     for part in path:
         owner = getattr(owner, part)
     value = inspect.getattr_static(owner, attribute) if inspect.isclass(owner) else getattr(owner, attribute)
     if isinstance(value, staticmethod | classmethod):
         value = value.__func__
     return owner, attribute, value
+
+
+def _locate(contact: Contact) -> tuple[Any, str, Any, str]:
+    """(owner, attribute, value, location's dotted name) at the first of the contact's locations that resolves.
+
+    Raises :class:`_NotFound`: with one location, why it failed (``missing``, or the module's import error); with
+    fallbacks, every location tried and why.
+    """
+    failures = []
+    for module, qualname in contact.locations:
+        try:
+            owner, attribute, value = _lookup_at(module, qualname)
+        except AttributeError:
+            failures.append((f"{module}.{qualname}", "missing"))
+        except Exception as error:  # an import that fails (verl's vLLM modules raise ValueError without a vLLM)
+            failures.append(
+                (f"{module}.{qualname}", f"module {module} cannot be imported ({type(error).__name__}: {error})")
+            )
+        else:
+            return owner, attribute, value, f"{module}.{qualname}"
+    if len(failures) == 1:
+        raise _NotFound(failures[0][1])
+    tried = "; ".join(f"{name}: {why}" for name, why in failures)
+    raise _NotFound(f"found at none of its {len(failures)} locations ({tried})")
+
+
+def _lookup(contact: Contact) -> tuple[Any, str, Any]:
+    """(owner object, attribute name, value) of a contact, at its first location that resolves (:func:`_locate`)."""
+    return _locate(contact)[:3]
 
 
 def _annotation(fn: Callable) -> str:
@@ -615,10 +700,8 @@ def _problem(contact: Contact) -> str | None:
     """Why ``contact`` is unusable in this process, or None if it has the expected shape."""
     try:
         _, _, value = _lookup(contact)
-    except AttributeError:
-        return "missing"
-    except Exception as error:  # an import that fails (verl's vLLM modules raise ValueError without a vLLM)
-        return f"module {contact.module} cannot be imported ({type(error).__name__}: {error})"
+    except _NotFound as error:
+        return str(error)
     fn = inspect.unwrap(value) if callable(value) else None
     if contact.params is not None:
         if fn is None:
@@ -641,10 +724,23 @@ def _problem(contact: Contact) -> str | None:
     return None
 
 
-@cache
 def problem(name: str) -> str | None:
     """Cached :func:`_problem` of the contact called ``name`` (imports its module once)."""
+    return _cached_problem(contact_named(name).name)
+
+
+@cache
+def _cached_problem(name: str) -> str | None:
     return _problem(BY_NAME[name])
+
+
+@cache
+def resolved_at(name: str) -> str | None:
+    """The dotted name of the location where contact ``name`` resolves in this process (None where none does)."""
+    try:
+        return _locate(contact_named(name))[3]
+    except _NotFound:
+        return None
 
 
 def feature_problems(feature: str) -> dict[str, str]:
@@ -684,7 +780,7 @@ def require(*features: str) -> None:
 
 def resolve(name: str) -> Any:
     """The object behind contact ``name``, after checking its shape (raises :class:`SeamError`)."""
-    contact = BY_NAME[name]
+    contact = contact_named(name)
     found = problem(name)
     if found is not None:
         require(*contact.features)
@@ -692,9 +788,10 @@ def resolve(name: str) -> Any:
 
 
 def replace(name: str, new: Any) -> Any:
-    """Set contact ``name`` to ``new`` (a patch); returns the original, also kept as ``new.__wrapped__``."""
+    """Set contact ``name`` to ``new`` (a patch), where it resolves; returns the original, also kept as
+    ``new.__wrapped__``."""
     original = resolve(name)
-    owner, attribute, _ = _lookup(BY_NAME[name])
+    owner, attribute, _ = _lookup(contact_named(name))
     if callable(new) and not hasattr(new, "__wrapped__"):
         with contextlib.suppress(AttributeError):
             new.__wrapped__ = original
@@ -702,14 +799,116 @@ def replace(name: str, new: Any) -> Any:
     return original
 
 
+class _NoBound:
+    def __repr__(self) -> str:
+        return "seam.NO_BOUND"
+
+
+#: A value for :func:`accepted_kwargs`: "no bound", written the way the installed parameter takes it: None where it
+#: admits None (its default is None, or its annotation names None), else :data:`UNREACHED_BOUND` for an ``int`` and
+#: ``math.inf`` for a ``float``; None where the parameter is unannotated or reached through ``**kwargs``.
+NO_BOUND: Any = _NoBound()
+#: The ``int`` that stands for "no bound" where a parameter takes no None: more steps or versions than a run reaches,
+#: and within 32 bits for any array it lands in.
+UNREACHED_BOUND = 2**31 - 1
+
+#: ``{contact name: keyword arguments left out}`` by :func:`accepted_kwargs` in this process.
+LEFT_OUT: dict[str, set[str]] = {}
+
+
+@cache
+def _keywords(name: str) -> tuple[dict[str, inspect.Parameter], bool]:
+    """The parameters of contact ``name``'s installed callable that a keyword can fill, and whether it takes
+    ``**kwargs`` (read once per process)."""
+    parameters = inspect.signature(resolve(name)).parameters.values()
+    named = {p.name: p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named, any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _no_bound(parameter: inspect.Parameter | None) -> Any:
+    """What :data:`NO_BOUND` is for ``parameter`` (None: reached through ``**kwargs``)."""
+    if parameter is None or parameter.default is None or parameter.annotation is inspect.Parameter.empty:
+        return None
+    annotation = parameter.annotation
+    text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+    if re.search(r"\bNone\b|\bOptional\b", text):
+        return None
+    if re.search(r"\bint\b", text):
+        return UNREACHED_BOUND
+    if re.search(r"\bfloat\b", text):
+        return float("inf")
+    return None
+
+
+def accepted_kwargs(name: str, /, **kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments of ``kwargs`` that the installed callable of contact ``name`` takes, to pass it.
+
+    A keyword the installed version does not take (by :func:`inspect.signature`; a callable with ``**kwargs`` takes
+    every one) is left out: logged at DEBUG, recorded in :data:`LEFT_OUT`, and shown by the doctor. A value
+    :data:`NO_BOUND` becomes the "no bound" the installed parameter takes. Each keyword must be declared in the
+    contact's :attr:`Contact.optional_kwargs` (with why leaving it out is safe, at the call site): this is decided
+    here once per process, for every caller. Raises :class:`SeamError` when the contact is unusable, and ValueError
+    for an undeclared keyword.
+
+    Example: ``accepted_kwargs("verl.trainer.ppo.v1.replay_buffer.ReplayBufferAsync.__init__",
+    max_off_policy_threshold=NO_BOUND)`` is ``{"max_off_policy_threshold": None}`` on verl 0.9.1.
+    """
+    contact = contact_named(name)
+    undeclared = sorted(set(kwargs) - set(contact.optional_kwargs))
+    if undeclared:
+        raise ValueError(
+            f"accepted_kwargs({contact.name!r}): {undeclared} not declared in its Contact.optional_kwargs "
+            f"({list(contact.optional_kwargs)}); declare each keyword passed only where verl takes it"
+        )
+    parameters, takes_any = _keywords(contact.name)
+    out = {}
+    for key, value in kwargs.items():
+        parameter = parameters.get(key)
+        if parameter is None and not takes_any:
+            if key not in LEFT_OUT.setdefault(contact.name, set()):
+                LEFT_OUT[contact.name].add(key)
+                logger.debug("gepo-plugin: %s takes no %s= in the installed version; left out", contact.name, key)
+            continue
+        out[key] = _no_bound(parameter) if value is NO_BOUND else value
+    return out
+
+
+def kwargs_note(name: str) -> str:
+    """Which of contact ``name``'s optional keyword arguments the installed callable takes ('' if it declares none,
+    or the contact is unusable)."""
+    contact = contact_named(name)
+    if not contact.optional_kwargs or problem(contact.name) is not None:
+        return ""
+    parameters, takes_any = _keywords(contact.name)
+    taken = [key for key in contact.optional_kwargs if takes_any or key in parameters]
+    left = [key for key in contact.optional_kwargs if key not in taken]
+    return "; ".join(
+        part
+        for part in (f"takes {', '.join(taken)}" if taken else "", f"leaves out {', '.join(left)}" if left else "")
+        if part
+    )
+
+
 def report(features: Iterable[str] | None = None) -> list[dict[str, str]]:
-    """One row per contact (optionally only those of ``features``): name, package, features, how, status."""
+    """One row per contact (optionally only those of ``features``): name, package, features, how, status, and
+    ``note``: where a contact with fallbacks resolved, which optional keyword arguments the installed version takes.
+    """
     wanted = set(features) if features is not None else None
     rows = []
     for contact in CONTACTS:
         if wanted is not None and not wanted & set(contact.features):
             continue
         found = problem(contact.name)
+        notes = []
+        if contact.fallbacks and found is None:
+            where = resolved_at(contact.name)
+            fallbacks = ", ".join(f"{module}.{qualname}" for module, qualname in contact.locations[1:])
+            notes.append(
+                f"at {where} (a fallback)"
+                if where != contact.name
+                else f"at its declared location (fallback: {fallbacks})"
+            )
+        notes.append(kwargs_note(contact.name))
         rows.append(
             {
                 "contact": contact.name,
@@ -717,6 +916,7 @@ def report(features: Iterable[str] | None = None) -> list[dict[str, str]]:
                 "features": ", ".join(contact.features),
                 "how": contact.how,
                 "status": "ok" if found is None else found,
+                "note": "; ".join(note for note in notes if note),
             }
         )
     return rows
@@ -724,4 +924,6 @@ def report(features: Iterable[str] | None = None) -> list[dict[str, str]]:
 
 def clear_cache() -> None:
     """Forget cached checks (tests that change verl's classes call this)."""
-    problem.cache_clear()
+    _cached_problem.cache_clear()
+    resolved_at.cache_clear()
+    _keywords.cache_clear()

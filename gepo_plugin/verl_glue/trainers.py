@@ -20,12 +20,14 @@ from functools import partial
 
 import numpy as np
 import torch
+from verl.trainer.distillation import is_distillation_enabled
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
 from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
+from gepo_plugin import metric_names
 from gepo_plugin.maths import GroupIndex, group_log_expectation_from_tokens
 from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
@@ -46,9 +48,9 @@ def compute_group_terms(uids: np.ndarray, old_log_probs: torch.Tensor, response_
     real_sizes = torch.bincount(index.inverse[valid], minlength=index.num_groups)
     real_sizes = real_sizes[real_sizes > 0]
     metrics = {
-        "gepo/num_groups": float(real_sizes.numel()),
-        "gepo/group_size_mean": float(real_sizes.float().mean()),
-        "gepo/log_group_expectation_mean": float(log_eq[valid].mean()),
+        metric_names.GEPO_GROUPS + "num_groups": float(real_sizes.numel()),
+        metric_names.GEPO_GROUPS + "group_size_mean": float(real_sizes.float().mean()),
+        metric_names.GEPO_GROUPS + "log_group_expectation_mean": float(log_eq[valid].mean()),
     }
     return log_eq.to(torch.float32), metrics
 
@@ -65,8 +67,6 @@ class ResponseTermsMixin(AdvantageFieldsMixin):
         self._install_response_terms_loss()
 
     def _install_response_terms_loss(self) -> None:
-        from verl.trainer.distillation import is_distillation_enabled
-
         if is_distillation_enabled(self.config.get("distillation")):
             raise ValueError(
                 "the gepo_* trainers do not support distillation (it installs its own loss); "

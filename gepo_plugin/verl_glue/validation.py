@@ -1,15 +1,17 @@
 """Start-up checks of the plugin's settings: each mistake stops before Ray starts, naming the key and the fix.
 
 :func:`validate_plugin_config` runs in the launcher on the config that will run (after the preset, HeteroRL and
-CPU settings were filled in), before anything is printed (``--cfg job``) or started. It imports no part of
-verl's trainer stack, so a mistake is reported within seconds. Warnings (legal but probably unintended
-settings) are returned for the launcher to print.
+CPU settings were filled in), before anything is printed (``--cfg job``) or started. It imports verl's trainer
+stack only to look up a trainer that neither verl nor the plugin ships (a user's own ``trainer.v1.trainer_mode``,
+:func:`_trainer_registry`), so a mistake is reported within seconds. Warnings (legal but probably unintended
+settings) are returned for the launcher to print. :func:`check_paths` and :func:`check_registered_names` (which
+imports verl's algorithm registries) run later, with the launcher's checks that need verl
+(:func:`gepo_plugin.launch.check_before_start`).
 """
 
 from __future__ import annotations
 
 import ast
-import difflib
 import importlib.util
 import math
 import os
@@ -18,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from pydantic import BaseModel
 
 from gepo_plugin.config_keys import (
     ACTOR,
     ADV_ESTIMATOR,
-    ALGORITHM_LOSS,
     BNPO_OPTIONS,
     BYPASS_MODE,
     CALCULATE_LOG_PROBS,
@@ -52,12 +54,12 @@ from gepo_plugin.config_keys import (
     VAL_FILES,
 )
 from gepo_plugin.config_tree import NO_USER_KEYS, UserKeys, leaves
-from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero, rollout_replica_count
+from gepo_plugin.hetero.settings import HeteroSettings, rollout_replica_count
+from gepo_plugin.maths.gepo import check_clip_range
 from gepo_plugin.maths.options import GEPO_PLUS_FIELDS, BNPOOptions, DeltaLOptions, GEPOOptions
 from gepo_plugin.names import GEPO_TRAINER_FOR_MODE, POLICY_LOSSES, TRAINERS, VERL_TRAINER_MODES
-from gepo_plugin.options import parse_options
+from gepo_plugin.options import did_you_mean, parse_options
 from gepo_plugin.verl_glue.errors import PluginConfigError
-from gepo_plugin.verl_glue.presets import get_preset
 
 __all__ = ["PluginConfigError", "validate_plugin_config"]
 
@@ -72,6 +74,11 @@ BOOLEAN_KEYS = (BYPASS_MODE, NORM_ADV_BY_STD, CALCULATE_LOG_PROBS, FULL_DETERMIN
 
 def _select(config: DictConfig, key: str, default: Any = None) -> Any:
     return OmegaConf.select(config, key, default=default)
+
+
+def _plain(node: Any) -> Any:
+    """A config node as plain data (None stays None)."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def _is_ratio_or_coefficient(key: str) -> bool:
@@ -96,39 +103,38 @@ def check_booleans(config: DictConfig) -> None:
             raise PluginConfigError(f"{key}={value!r}: must be true or false (write {key}=true or {key}=false)")
 
 
-def check_device(config: DictConfig) -> None:
-    """``trainer.device``: verl's devices (``cuda`` also on AMD, ``npu``) or the plugin's ``cpu`` backend."""
+#: Trainer modes that verl or the plugin ships: known without importing verl's trainer stack.
+SHIPPED_TRAINERS = frozenset((*VERL_TRAINER_MODES, *TRAINERS))
+
+
+def _trainer_registry() -> dict[str, type]:
+    """verl's registry of trainers, for a mode that neither verl nor the plugin ships (a user's own trainer): the only
+    import of verl's trainer stack in :func:`validate_plugin_config`."""
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY  # lazy: verl's trainer stack (see the docstring)
+
+    return TRAINER_REGISTRY
+
+
+def check_names(config: DictConfig) -> None:
+    """``trainer.device`` is one of verl's devices (``cuda`` also on AMD, ``npu``) or the plugin's ``cpu`` backend, and
+    ``trainer.v1.trainer_mode`` names a registered trainer (verl's registry is imported only for a user's own mode);
+    a wrong name is refused with the nearest right one."""
     device = _select(config, DEVICE, "cuda")
-    if device not in KNOWN_DEVICES:
-        close = difflib.get_close_matches(str(device), KNOWN_DEVICES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise PluginConfigError(f"{DEVICE}={device!r}: use one of {', '.join(KNOWN_DEVICES)}{hint}")
-
-
-def check_trainer_mode(config: DictConfig) -> None:
-    """``trainer.v1.trainer_mode`` must name a registered trainer (verl's registry is imported only if needed)."""
     mode = _select(config, TRAINER_MODE)
-    known = set(VERL_TRAINER_MODES) | set(TRAINERS)
-    if mode in known:
+    if device not in KNOWN_DEVICES:
+        given, known, framing = device, KNOWN_DEVICES, (" (", ")")
+        message = f"{DEVICE}={device!r}: use one of {', '.join(KNOWN_DEVICES)}{{hint}}"
+    elif mode not in SHIPPED_TRAINERS and mode not in (registered := SHIPPED_TRAINERS | set(_trainer_registry())):
+        given, known, framing = mode, registered, ("; ", "")
+        message = f"{TRAINER_MODE}={mode!r} is not a registered trainer{{hint}} Valid: {', '.join(sorted(registered))}"
+    else:
         return
-    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY  # a user's own registered trainer
-
-    known |= set(TRAINER_REGISTRY)
-    if mode not in known:
-        close = difflib.get_close_matches(str(mode), sorted(known), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise PluginConfigError(
-            f"{TRAINER_MODE}={mode!r} is not a registered trainer{hint} Valid: {', '.join(sorted(known))}"
-        )
+    raise PluginConfigError(message.format(hint=did_you_mean(given, known, *framing)))
 
 
 def _check_clip_range(config: DictConfig) -> None:
-    low, high = _select(config, CLIP_RATIO_LOW), _select(config, CLIP_RATIO_HIGH)
-    for name, value in (("clip_ratio_low", low), ("clip_ratio_high", high)):
-        if value is not None and not float(value) >= 0:
-            raise PluginConfigError(f"{ACTOR}.{name}={value}: must be >= 0 (the clip range is 1-low .. 1+high)")
-    if low is not None and float(low) >= 1:
-        raise PluginConfigError(f"{ACTOR}.clip_ratio_low={low}: must be < 1 (the lower bound is 1 - low)")
+    """The clip range, by the rule the loss itself applies (:func:`~gepo_plugin.maths.gepo.check_clip_range`)."""
+    check_clip_range(_select(config, CLIP_RATIO_LOW), _select(config, CLIP_RATIO_HIGH), f"{ACTOR}.", PluginConfigError)
 
 
 def _check_standalone_rollout(config: DictConfig) -> None:
@@ -208,45 +214,58 @@ def check_nothing_ignored(config: DictConfig, explicit: UserKeys) -> None:
             )
 
 
-def _group_size(config: DictConfig) -> int:
-    value = _select(config, ROLLOUT_N, 1)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PluginConfigError(f"{ROLLOUT_N}={value!r}: must be a whole number of responses per prompt")
-    return value
-
-
-def _check_gepo(config: DictConfig, warnings: list[str]) -> None:
-    options = parse_options(
-        GEPOOptions,
-        {k: v for k, v in (_select(config, POLICY_LOSS) or {}).items() if k in GEPOOptions.model_fields},
-        POLICY_LOSS,
-        PluginConfigError,
-    )
-    mode, loss_mode = _select(config, TRAINER_MODE), _select(config, LOSS_MODE)
-    if options.group_scope == "prompt" and mode not in GEPO_TRAINER_FOR_MODE.values():
-        from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
-
-        from gepo_plugin.verl_glue.trainers import ResponseTermsMixin
-
-        cls = TRAINER_REGISTRY.get(mode)
-        if cls is None or not issubclass(cls, ResponseTermsMixin):
-            suggestion = GEPO_TRAINER_FOR_MODE.get(mode)
-            fix = (
-                f"set {TRAINER_MODE}={suggestion} (or use algorithm.loss={loss_mode}, which does)"
-                if suggestion
-                else (f"use one of {', '.join(GEPO_TRAINER_FOR_MODE.values())}")
-            )
-            raise PluginConfigError(
-                f"{LOSS_MODE}={loss_mode} needs the per-prompt group term, but {TRAINER_MODE}={mode} "
-                f"does not compute it: {fix}, or set {POLICY_LOSS}.group_scope=batch to reproduce the "
-                "reference code's micro-batch scope."
-            )
-    n = _group_size(config)
+def _check_several_responses(config: DictConfig, needs: str, note: str) -> None:
+    """The one rule for ``rollout.n``: a whole number, at least 2 where something compares the responses to one
+    prompt (``needs``: what does and why it needs several; ``note``: advice or what would go wrong)."""
+    n = _select(config, ROLLOUT_N, 1)
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise PluginConfigError(f"{ROLLOUT_N}={n!r}: must be a whole number of responses per prompt")
     if n < 2:
-        raise PluginConfigError(
-            f"{ROLLOUT_N}={n}: GEPO's group expectation runs over several responses to one prompt; set "
-            f"{ROLLOUT_N} >= 2 (the paper used 8)"
+        raise PluginConfigError(f"{ROLLOUT_N}={n}: {needs}; set {ROLLOUT_N} >= 2 ({note})")
+
+
+def _computes_group_term(mode: str) -> bool:
+    """Does the trainer of ``mode`` compute GEPO's per-prompt group term? The plugin's GEPO trainers do, verl's and
+    the HeteroRL trainer do not (:mod:`gepo_plugin.names`); a user's own trainer does if it has the mixin."""
+    if mode in SHIPPED_TRAINERS:
+        return mode in GEPO_TRAINER_FOR_MODE.values()
+    from gepo_plugin.verl_glue.trainers import ResponseTermsMixin  # lazy, as in _trainer_registry
+
+    cls = _trainer_registry().get(mode)
+    return cls is not None and issubclass(cls, ResponseTermsMixin)
+
+
+def _option_blocks(config: DictConfig) -> dict[str, BaseModel]:
+    """Every option block of the plugin's losses and estimators, parsed (each refused with its key if it is wrong):
+    GEPO's fields of ``policy_loss``, BNPO's and Delta-L's blocks."""
+    policy_loss = {k: v for k, v in (_select(config, POLICY_LOSS) or {}).items() if k in GEPOOptions.model_fields}
+    blocks = {
+        POLICY_LOSS: (GEPOOptions, policy_loss),
+        **{
+            key: (model, _plain(_select(config, key)))
+            for model, key in ((BNPOOptions, BNPO_OPTIONS), (DeltaLOptions, DELTA_L_OPTIONS))
+        },
+    }
+    return {key: parse_options(model, block, key, PluginConfigError) for key, (model, block) in blocks.items()}
+
+
+def _check_gepo(config: DictConfig, options: GEPOOptions, warnings: list[str]) -> None:
+    mode, loss_mode = _select(config, TRAINER_MODE), _select(config, LOSS_MODE)
+    if options.group_scope == "prompt" and not _computes_group_term(mode):
+        suggestion = GEPO_TRAINER_FOR_MODE.get(mode)
+        fix = (
+            f"set {TRAINER_MODE}={suggestion} (or use algorithm.loss={loss_mode}, which does)"
+            if suggestion
+            else (f"use one of {', '.join(GEPO_TRAINER_FOR_MODE.values())}")
         )
+        raise PluginConfigError(
+            f"{LOSS_MODE}={loss_mode} needs the per-prompt group term, but {TRAINER_MODE}={mode} "
+            f"does not compute it: {fix}, or set {POLICY_LOSS}.group_scope=batch to reproduce the "
+            "reference code's micro-batch scope."
+        )
+    _check_several_responses(
+        config, "GEPO's group expectation runs over several responses to one prompt", "the paper used 8"
+    )
     if not _select(config, BYPASS_MODE, False):
         warnings.append(
             f"loss_mode={loss_mode} without {BYPASS_MODE}=true: q is the recomputed old policy, not the sampler's "
@@ -254,27 +273,21 @@ def _check_gepo(config: DictConfig, warnings: list[str]) -> None:
         )
 
 
-def validate_plugin_config(
-    config: DictConfig, explicit: UserKeys = NO_USER_KEYS, hetero: HeteroSettings | None = None
-) -> list[str]:
+def validate_plugin_config(config: DictConfig, hetero: HeteroSettings, explicit: UserKeys = NO_USER_KEYS) -> list[str]:
     """Raise :class:`PluginConfigError` for settings that cannot work; return warnings for odd but legal ones.
 
-    ``explicit``: the keys the user set on the command line (settings nothing would read are refused).
-    ``hetero``: the ``hetero`` block as the launcher parsed it (parsed here only when a caller has none).
+    ``hetero``: the ``hetero`` block as the launcher parsed it (once); ``explicit``: the keys the user set on the
+    command line (settings nothing would read are refused).
     """
     warnings: list[str] = []
-    loss = _select(config, ALGORITHM_LOSS)
-    if loss is not None:
-        get_preset(str(loss))
     check_booleans(config)
     check_numbers(config)
-    check_device(config)
-    check_trainer_mode(config)
+    check_names(config)
     _check_clip_range(config)
     _check_standalone_rollout(config)
     _check_separate_async(config)
     check_nothing_ignored(config, explicit)
-    hetero = hetero if hetero is not None else parse_hetero(_select(config, HETERO))
+    options = _option_blocks(config)
     _check_hetero_layout(config, hetero)
     _check_guard_has_weights(config, hetero)
     if _select(config, BYPASS_MODE, False) and _select(config, CALCULATE_LOG_PROBS) is False:
@@ -284,18 +297,11 @@ def validate_plugin_config(
             f"{BYPASS_MODE}=false"
         )
     if _select(config, LOSS_MODE, "vanilla") in POLICY_LOSSES:
-        _check_gepo(config, warnings)
+        _check_gepo(config, options[POLICY_LOSS], warnings)
     estimator = _select(config, ADV_ESTIMATOR)
     if estimator in GROUP_ESTIMATORS:
-        n = _group_size(config)
-        if n < 2:
-            raise PluginConfigError(
-                f"{ADV_ESTIMATOR}={estimator} compares the responses to one prompt, so it needs {ROLLOUT_N} "
-                f">= 2 (got {n}: every advantage would be 0)"
-            )
-    for model, key in ((BNPOOptions, BNPO_OPTIONS), (DeltaLOptions, DELTA_L_OPTIONS)):
-        block = _select(config, key)
-        parse_options(model, OmegaConf.to_container(block) if block is not None else None, key, PluginConfigError)
+        needs = f"{ADV_ESTIMATOR}={estimator} compares the responses to one prompt"
+        _check_several_responses(config, needs, "with one, every advantage is 0")
     return warnings
 
 
@@ -373,14 +379,14 @@ def _check_reward_function(config: DictConfig) -> None:
         alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom) for alias in node.names
     }
     if name and name not in defined:
-        close = difflib.get_close_matches(str(name), sorted(defined), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(name, defined)
         raise PluginConfigError(f"{REWARD_FUNCTION}.name={name!r} is not defined in {path}{hint}")
 
 
 def check_registered_names(config: DictConfig) -> None:
     """The policy loss and the advantage estimator are registered with verl (verl looks them up only in the
     workers, at the first update)."""
+    # lazy: verl's registries, with the launcher's later checks that need verl (see the docstring)
     from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY, AdvantageEstimator
 
     checks = (
@@ -390,8 +396,7 @@ def check_registered_names(config: DictConfig) -> None:
     for key, known in checks:
         value = _select(config, key)
         if value is not None and value not in known:
-            close = difflib.get_close_matches(str(value), sorted(known), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = did_you_mean(value, known)
             raise PluginConfigError(
                 f"{key}={value!r} is not registered with verl{hint}; valid: {', '.join(sorted(known))}"
             )

@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import Any
 
+from gepo_plugin import patching
 from gepo_plugin.cpu_backend import cpu_platform_selected
 from gepo_plugin.patches.cuda_as_cpu import cuda_as_cpu, under_cuda_as_cpu
 from gepo_plugin.verl_glue import seam
@@ -46,8 +47,6 @@ _LOCK = threading.Lock()
 
 def apply_megatron_cpu_patches() -> list[str]:
     """Apply :data:`PATCH_NAMES` once in this process (CPU platform only; versions and contacts checked first)."""
-    from gepo_plugin import patching
-
     if not cpu_platform_selected():
         raise RuntimeError("the CPU backend's Megatron patches apply only with VERL_PLATFORM=cpu")
     with _LOCK:
@@ -113,9 +112,9 @@ def cpu_engine_class(base: type) -> type:
 
 def register_megatron_engines() -> bool:
     """Register the CPU subclasses of verl's Megatron engines for device ``cpu``; False without megatron-core."""
-    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.base import EngineRegistry  # lazy: called by a post-import hook of verl's registry
 
-    try:
+    try:  # optional: megatron-core
         from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
     except ImportError:
         return False

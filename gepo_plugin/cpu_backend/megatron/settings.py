@@ -11,7 +11,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from gepo_plugin import config_keys as keys
 from gepo_plugin.cpu_backend.megatron import MEGATRON_ROLES, megatron_selected
+from gepo_plugin.cpu_backend.megatron.engines import PATCH_NAMES
 from gepo_plugin.cpu_backend.requirements import Requirement, as_settings, refuse_contradictions
+from gepo_plugin.patching import first_version_problem
 from gepo_plugin.verl_glue.errors import PluginConfigError
 
 #: The pip extra that installs what the CPU Megatron engine needs.
@@ -92,9 +94,6 @@ def megatron_cpu_settings(config: DictConfig) -> dict[str, object]:
 
 def _install_problem() -> str | None:
     """Why the extra's packages cannot serve the CPU patches (absent, or another version), or None."""
-    from gepo_plugin.cpu_backend.megatron.engines import PATCH_NAMES
-    from gepo_plugin.patching import first_version_problem
-
     return first_version_problem(PATCH_NAMES)
 
 

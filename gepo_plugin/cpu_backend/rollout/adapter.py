@@ -13,6 +13,7 @@ import torch
 from ray.actor import ActorHandle
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.utils import ensure_async_iterator
 
 from gepo_plugin.cpu_backend.rollout.server import ENGINE_KWARGS_KEY
 from gepo_plugin.cpu_backend.rollout.weights import full_tensor
@@ -94,8 +95,6 @@ class HFServerAdapter(BaseRollout):
             raise NotImplementedError(f"transformers rollout takes wire_format='named_tensors', got {wire_format!r}")
         if peft_config is not None:
             raise NotImplementedError("the transformers rollout takes no unmerged LoRA adapters; set lora.merge=True")
-        from verl.workers.rollout.utils import ensure_async_iterator
-
         start = time.time()
         leader = self._ensure_server_handle()
         bucket: list[tuple[str, torch.Tensor]] = []

@@ -11,6 +11,7 @@ import inspect
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from gepo_plugin.cpu_backend.rollout.sampling import BatchParams, sample_tokens
 from gepo_plugin.cpu_backend.rollout.scheduler import Finish, GenerationRequest
@@ -46,8 +47,6 @@ class BatchGenerator:
         Rows leave the batch (and the KV cache) as soon as they finish, are aborted, or reach
         ``max_tokens``; ``finish`` is called for each at once, so its answer is not held up by the others.
         """
-        from transformers import DynamicCache
-
         model = self.model
         rows = [r for r in requests if not r.abort_requested]
         for request in requests:

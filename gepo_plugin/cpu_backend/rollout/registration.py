@@ -24,9 +24,12 @@ _INSTALLED: list[bool] = []
 
 def load_hf_replica() -> type:
     """Loader for ``RolloutReplicaRegistry`` (imports the transformers rollout only when verl builds replicas)."""
-    from gepo_plugin.cpu_backend.rollout.replica import HFReplica
+    from gepo_plugin.cpu_backend.rollout.replica import HFReplica  # lazy: when verl builds replicas
 
     return HFReplica
+
+
+# The post-import hooks (HOOKS) import what they register only once verl imports the module they wait for.
 
 
 def _register_replica() -> None:

@@ -13,6 +13,7 @@ import asyncio
 from typing import Any
 
 import ray
+from verl.utils.net_utils import is_valid_ipv6_address
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
@@ -82,8 +83,6 @@ class HFReplica(RolloutReplica):
         await server.launch_server.remote()
         self.servers = [server]
         self._server_handle = server
-
-        from verl.utils.net_utils import is_valid_ipv6_address
 
         address, port = await server.get_server_address.remote()
         self._server_address = f"[{address}]:{port}" if is_valid_ipv6_address(address) else f"{address}:{port}"

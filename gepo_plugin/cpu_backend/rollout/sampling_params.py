@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from verl.utils import normalize_token_ids
 from verl.workers.config import RolloutConfig
 
 from gepo_plugin.cpu_backend.rollout.sampling import SamplingSpec
@@ -54,8 +55,6 @@ def deterministic_seed(rollout_seed: int, request_id: str, prompt_ids: Iterable[
 
 def check_prompt_ids(prompt_ids: Any, vocab_size: int) -> list[int]:
     """The prompt as a list of ids, checked per request: a bad id inside a shared batch would fail all of it."""
-    from verl.utils import normalize_token_ids
-
     prompt_ids = normalize_token_ids(prompt_ids)
     if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise ValueError(f"prompt ids must be a non-empty list of ids in [0, {vocab_size})")

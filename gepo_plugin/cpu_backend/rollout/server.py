@@ -20,6 +20,7 @@ from typing import Any
 import ray
 import torch
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.net_utils import get_free_port
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
@@ -79,8 +80,6 @@ class HFGenerationServer:
 
         # a unique host:port identity for the load balancer (no HTTP endpoint is served); holding the
         # socket reserves the port so two replicas on one node never share an address
-        from verl.utils.net_utils import get_free_port
-
         self._server_address = ray.util.get_node_ip_address().strip("[]")
         self._server_port, self._port_reservation = get_free_port(self._server_address, with_alive_sock=True)
 

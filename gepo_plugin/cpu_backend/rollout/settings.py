@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.workers.config import HFModelConfig, RolloutConfig
+from verl.workers.rollout.utils import get_max_position_embeddings
 
 from gepo_plugin.cpu_backend.rollout.options import HFRolloutOptions, parse_hf_options
 from gepo_plugin.cpu_backend.rollout.sampling import LOGPROBS_MODES
@@ -55,8 +56,6 @@ class ServerSettings:
     @classmethod
     def from_configs(cls, config: RolloutConfig, model_config: HFModelConfig) -> ServerSettings:
         """Derive the settings; a ``max_model_len`` or ``logprobs_mode`` the server cannot honour raises."""
-        from verl.workers.rollout.utils import get_max_position_embeddings
-
         options = hf_options(config)
         max_position_embeddings = get_max_position_embeddings(model_config.hf_config)
         max_model_len = int(config.max_model_len or max_position_embeddings)

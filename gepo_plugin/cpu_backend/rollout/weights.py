@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 from verl.workers.config import HFModelConfig
 
 from gepo_plugin.cpu_backend.rollout.options import HFRolloutOptions
@@ -10,15 +12,11 @@ from gepo_plugin.cpu_backend.rollout.options import HFRolloutOptions
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The full value of a (possibly FSDP2-sharded) tensor; a collective for DTensors."""
-    from torch.distributed.tensor import DTensor
-
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def load_model(model_config: HFModelConfig, options: HFRolloutOptions) -> torch.nn.Module:
     """The rollout model from ``model_config.local_path`` in ``options.dtype``, frozen for inference."""
-    from transformers import AutoModelForCausalLM
-
     dtype = getattr(torch, options.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         model_config.local_path,

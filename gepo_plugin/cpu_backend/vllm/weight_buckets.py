@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import psutil
+import ray
 
 #: Where POSIX shared memory lives on Linux, and verl's prefix for its weight buckets.
 SHM_DIR = Path("/dev/shm")
@@ -82,8 +83,6 @@ def buckets_released_around_run(log: Callable[[str], None]) -> Iterator[None]:
         yield
     finally:
         processes = run_processes()
-        import ray
-
         if ray.is_initialized():
             ray.shutdown()  # the buckets are held until the run's processes have exited
         _report(release_abandoned_buckets(wait_for=processes), "this run", log)

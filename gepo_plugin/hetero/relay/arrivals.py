@@ -1,7 +1,8 @@
 """Which version each sampler replica and group holds, from the relay's real arrivals (framework-free).
 
-The relay counterpart of :class:`~gepo_plugin.hetero.weight_schedule.WeightArrivalSchedule`, with the views the
-weight sync and the staleness core read (``held`` and ``live`` per group, ``latest``, ``oldest_held``, metrics):
+The relay counterpart of :class:`~gepo_plugin.hetero.weight_schedule.WeightArrivalSchedule`: both are
+:class:`~gepo_plugin.hetero.sampler_versions.SamplerVersions` (``held`` and ``live`` per group, ``latest``,
+``oldest_held``, metrics), the one view the sampler fleet and the staleness core read:
 nothing is drawn, a version is held once the replica's receipt says it arrived and the learner installed it. A
 group holds the oldest version any of its live replicas holds, so a bound that holds for the group holds for every
 token it generates.
@@ -89,14 +90,15 @@ class ArrivalBook:
             raise ValueError("no sampler group is live")
         return min(held)
 
-    def metrics(self, learner_version: int, prefix: str) -> dict[str, float]:
-        out: dict[str, float] = {}
+    def metrics(self, learner_version: int) -> dict[tuple[int, str], float]:
+        """``(group, name) -> value``: the version each group holds, its age, its bytes pulled and mean lags."""
+        out: dict[tuple[int, str], float] = {}
         for group, held in enumerate(self.held):
-            out[f"{prefix}_{group}/weight_version"] = float(held)
-            out[f"{prefix}_{group}/weight_age"] = float(learner_version - held)
-            out[f"{prefix}_{group}/relay_bytes"] = float(self.bytes[group])
+            out[group, "weight_version"] = float(held)
+            out[group, "weight_age"] = float(learner_version - held)
+            out[group, "relay_bytes"] = float(self.bytes[group])
             if self.lags_s[group]:
-                out[f"{prefix}_{group}/arrival_lag_mean_s"] = float(np.mean(self.lags_s[group]))
+                out[group, "arrival_lag_mean_s"] = float(np.mean(self.lags_s[group]))
             if self.pull_s[group]:
-                out[f"{prefix}_{group}/pull_s_mean"] = float(np.mean(self.pull_s[group]))
+                out[group, "pull_s_mean"] = float(np.mean(self.pull_s[group]))
         return out

@@ -94,7 +94,7 @@ class RelayFollower:
                 receipts,
                 staged,
                 self._keyframe_needed,
-                self.puller.counters.metrics(""),
+                self.puller.counters.metrics(),
                 self._error,
                 tuple(sorted(self.puller.corrupt_shards)),
             )

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from gepo_plugin.hetero.relay.link import Link, LinkConfig
+from gepo_plugin.hetero.relay.settings import RelayConfig
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def is_permanent(error: BaseException, operation: str) -> bool:
 
 @dataclass
 class RelayCounters:
-    """What the relay did and what went wrong, for ``hetero/relay/*`` metrics. Thread-safe increments."""
+    """What the relay did and what went wrong (named ``hetero/relay/*`` by the verl glue). Thread-safe increments."""
 
     counts: dict[str, float] = field(default_factory=dict)
 
@@ -84,9 +85,10 @@ class RelayCounters:
         with self._lock:
             return self.counts.get(name, 0)
 
-    def metrics(self, prefix: str = "hetero/relay/") -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
+        """The counters by (unprefixed) name."""
         with self._lock:
-            return {prefix + name: float(value) for name, value in sorted(self.counts.items())}
+            return {name: float(value) for name, value in sorted(self.counts.items())}
 
 
 @dataclass(frozen=True)
@@ -331,3 +333,12 @@ def _write_pieces(fs: fsspec.AbstractFileSystem, path: str, pieces: Sequence[byt
     with fs.open(path, "wb") as handle:
         for piece in pieces:
             handle.write(piece)
+
+
+def open_store(config: RelayConfig) -> RelayStore:
+    """The run's store as ``hetero.relay`` names it: ``url/run_id``, with its storage options and retries."""
+    return RelayStore(
+        f"{config.url.rstrip('/')}/{config.run_id}",
+        dict(config.storage_options),
+        retry=RetryPolicy(attempts=config.retry_attempts),
+    )

@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.registration import PLACEMENT_ENV
 
 logger = logging.getLogger(__name__)
@@ -113,8 +114,6 @@ def place_task_runner(resource: str) -> None:
     """In the launching process: verl's TaskRunner goes to a learner node (and the cluster is checked once Ray is
     up). Its children (TransferQueue, load balancer, agent-loop and reward workers) follow through
     ``patches/learner_placement.py`` in the TaskRunner's own process."""
-    from gepo_plugin.verl_glue import seam
-
     name = "verl.trainer.main_ppo.TaskRunnerV1"
     current = seam.resolve(name)
     if not isinstance(current, PlacedTaskRunner):

@@ -2,28 +2,22 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
-
-from gepo_plugin.config_keys import HETERO
-from gepo_plugin.hetero.settings import parse_hetero
+from gepo_plugin.hetero.relay.store import RelayStoreError, open_store
+from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue.errors import PluginConfigError
 
 
-def check_relay_store(config: DictConfig, inspecting: bool = False) -> list[str]:
+def check_relay_store(hetero: HeteroSettings, inspecting: bool = False) -> list[str]:
     """With ``hetero.transport=relay``: the secret's variable is set and the learner can write the run's store.
 
     ``inspecting`` (the config is only printed): nothing is probed (a cluster's bucket is often out of a laptop's
     reach); a warning says the run will probe it.
     """
-    hetero = parse_hetero(OmegaConf.to_container(config.get(HETERO), resolve=True) if config.get(HETERO) else None)
     relay = hetero.relay
     if not hetero.enable or relay is None:
         return []
     if inspecting:
         return [f"hetero.relay.url={relay.url!r} is not probed while printing: a run writes a probe object there first"]
-    from gepo_plugin.hetero.relay.store import RelayStoreError
-    from gepo_plugin.verl_glue.hetero.relay_engine import open_store
-
     try:
         relay.secret()
         open_store(relay).probe(write=True)

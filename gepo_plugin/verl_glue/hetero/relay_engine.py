@@ -29,22 +29,13 @@ from gepo_plugin.hetero.relay.link import Link
 from gepo_plugin.hetero.relay.publisher import RelayPublisher
 from gepo_plugin.hetero.relay.puller import RelayPuller
 from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.store import RelayStore, RetryPolicy
+from gepo_plugin.hetero.relay.store import open_store
 from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE
 from gepo_plugin.verl_glue import seam
 
 logger = logging.getLogger(__name__)
 
 BACKEND = RELAY_CHECKPOINT_ENGINE
-
-
-def open_store(config: RelayConfig) -> RelayStore:
-    """The run's store: ``url/run_id``."""
-    return RelayStore(
-        f"{config.url.rstrip('/')}/{config.run_id}",
-        dict(config.storage_options),
-        retry=RetryPolicy(attempts=config.retry_attempts),
-    )
 
 
 class RelayCheckpointEngine(CheckpointEngine):

@@ -6,14 +6,9 @@ servers). It needs an unused ``replica_rank`` (actor names such as ``<rollout>_s
 ``rollout_pool_{rank}`` are fixed) and free devices (the lost replica's placement group was released).
 
 Starting takes as long as loading a model (seconds on CPU, minutes for a large model on GPUs), so it runs in a
-background thread while the learner trains (:class:`ReplacementStarter`). Once started, the learner's weight sync
-admits it at a safe point, by its transport: with simulated delay (:func:`admit`), when the actor holds exactly the
-weights the schedule calls the newest (after a step's publish, or while it waits for data), it installs the weights
-its sampler group holds from the learner's host snapshots (the learner's current version when the group had no
-replica left, and the group rejoins the weight schedule with it; else the group's version, so every replica of a
-group samples with the same weights); with the relay, the replica pulls the newest version from the store itself
-and is installed once it has arrived. Only then does it join (:func:`enlist`) its group's weight sync, the health
-monitor and verl's load balancer.
+background thread while the learner trains (:class:`ReplacementStarter`). Once started, the sampler fleet hands it
+to its weight transport at a safe point, which brings it to its group's weights its own way; only then does it join
+its group (:meth:`~gepo_plugin.verl_glue.hetero.fleet.SamplerFleet.enlist`).
 """
 
 from __future__ import annotations
@@ -25,11 +20,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
-from verl.checkpoint_engine import CheckpointEngineManager
 from verl.utils.ray_utils import auto_await
 
-from gepo_plugin.verl_glue.hetero.replicas import fence, release_resources
+from gepo_plugin.hetero.roster import SamplerRoster
+from gepo_plugin.verl_glue.hetero.replicas import abandon
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +49,6 @@ def wait_for_devices(needed: int, timeout_s: float = DEVICE_WAIT_S) -> bool:
         time.sleep(0.5)
 
 
-def next_rank(sync: Any) -> int:
-    """A ``replica_rank`` no replica of this run has used (ranks of lost replicas are not reused)."""
-    used = [replica.replica_rank for replica in sync.server_manager.rollout_replicas]
-    sync.highest_rank = max([sync.highest_rank, *used]) + 1
-    return sync.highest_rank
-
-
 def launch(manager: Any, rank: int, group: int) -> Any | None:
     """Create and start a replica of rank ``rank`` (background thread; touches nothing the learner uses).
 
@@ -82,26 +69,32 @@ def launch(manager: Any, rank: int, group: int) -> Any | None:
     try:
         _start(replica)
     except BaseException:
-        fence(replica)  # whatever of it started: its actors and its devices
-        release_resources(replica)
+        abandon(replica)  # whatever of it started: its actors and its devices
         raise
     return replica
 
 
 class ReplacementStarter:
     """Replacements being started in a background thread; the learner's thread collects the started ones
-    (:meth:`started`) and its weight sync admits each the way its transport installs weights."""
+    (:meth:`started`) and the fleet's transport brings each to its group's weights.
 
-    def __init__(self, sync: Any) -> None:
-        self.sync = sync
+    ``next_rank`` gives an unused ``replica_rank``; ``launch(rank, group)`` creates and starts a replica (see
+    :func:`launch`); the roster counts what is starting and what failed to."""
+
+    def __init__(
+        self, roster: SamplerRoster, next_rank: Callable[[], int], launch: Callable[[int, int], Any | None]
+    ) -> None:
+        self.roster = roster
+        self.next_rank = next_rank
+        self.launch = launch
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gepo-hetero-replacement")
         self._starting: list[tuple[Future, int]] = []
 
     def start(self, group: int) -> None:
         """Start a replacement for sampler ``group`` (learner's thread; returns at once)."""
-        rank = next_rank(self.sync)
-        self.sync.roster.begin_replacement(group)
-        self._starting.append((self._pool.submit(launch, self.sync.server_manager, rank, group), group))
+        rank = self.next_rank()
+        self.roster.begin_replacement(group)
+        self._starting.append((self._pool.submit(self.launch, rank, group), group))
         logger.warning("hetero: starting a replacement (rank %d) for sampler group %d", rank, group)
 
     def started(self) -> list[tuple[int, Any]]:
@@ -119,67 +112,7 @@ class ReplacementStarter:
                 logger.exception("hetero: a replacement for sampler group %d failed to start", group)
                 replica = None
             if replica is None:
-                self.sync.roster.abandon_replacement(group)
+                self.roster.abandon_replacement(group)
             else:
                 out.append((group, replica))
         return out
-
-
-def enlist(sync: Any, group: int, replica: Any, version: int) -> int:
-    """A replacement that holds ``version`` joins ``group``: the roster, the group's weight sync, the health monitor
-    and verl's load balancer and replica lists; returns its roster id. (What every transport shares, after it has
-    installed the weights its own way.)"""
-    manager = sync.server_manager
-    member = sync.roster.join(group)
-    sync.members[member] = replica
-    sync.groups[group].add_replicas([replica])
-    if sync.monitor is not None:
-        sync.monitor.watch(member, replica.servers)
-    manager.rollout_replicas.append(replica)
-    manager.server_handles.append(replica.server_handle)
-    manager.server_addresses.append(replica.server_address)
-    ray.get(manager.global_load_balancer.add_servers.remote({replica.server_address: replica.server_handle}))
-    logger.warning(
-        "hetero: replica %d (rank %d) replaces a lost one in sampler group %d with weight version %d",
-        member,
-        replica.replica_rank,
-        group,
-        version,
-    )
-    return member
-
-
-def abandon(replica: Any) -> None:
-    """A started replacement that cannot join: stop it and free its devices."""
-    fence(replica)
-    release_resources(replica)
-
-
-def admit(sync: Any, group: int, replica: Any, snapshot_key: Callable[[int], str]) -> int | None:
-    """Install sampler ``group``'s weights on a started ``replica`` from the learner's host snapshots and let it
-    serve; returns its roster id, or None (the replica stopped and freed) when it was lost before it could take its
-    weights.
-
-    ``sync`` is the run's ``DelayedWeightSync`` (its groups, roster, schedule and snapshots, whose keys
-    ``snapshot_key`` gives). Call it only while the actor holds the schedule's newest version."""
-    schedule = sync.schedule
-    rejoining = not sync.roster.alive(group)
-    version = schedule.latest if rejoining else schedule.held[group]
-    installer = CheckpointEngineManager(sync.config, sync.actor_wg, [replica])
-    if version != schedule.latest:
-        sync.actor_wg.restore_model_from_cpu(snapshot_key(version))
-    try:
-        installer.update_weights(version)
-    except RayError:
-        logger.exception("hetero: a replacement for sampler group %d was lost before it took its weights", group)
-        abandon(replica)
-        return None
-    finally:
-        if version != schedule.latest:
-            sync.actor_wg.restore_model_from_cpu(snapshot_key(schedule.latest))
-    if group in sync.paused:
-        installer.abort_replicas()  # its group waits for newer weights (admission control)
-    member = enlist(sync, group, replica, version)
-    if rejoining:
-        schedule.rejoin(group)
-    return member

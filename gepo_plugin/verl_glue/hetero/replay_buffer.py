@@ -8,7 +8,8 @@ the framework-free core the CPU lab runs too. This class only translates:
 * **versions** are verl's weight versions (``global_steps`` passed to ``update_weights``); every trajectory
   carries ``min_global_steps``/``max_global_steps``, the versions of its first and last token, and a group's
   oldest token version is the minimum over its trajectories. ``sample(global_steps=g)`` trains the update
-  ``g-1 -> g``, so the learner version is ``v = g-1`` (a group's lag is verl's ``trajectory_staleness_worst``);
+  ``g-1 -> g``, so the learner version is ``v = g-1`` (:func:`~gepo_plugin.verl_glue.weight_versions.learner_version`;
+  a group's lag is verl's ``trajectory_staleness_worst``);
 * **events**: groups that turned ``finished`` (or ``failure``) in TransferQueue are reported to the core once,
   with their versions and the step their prompt was submitted at (for in-flight groups the core bounds their
   oldest possible version by the oldest weights any sampler held at that step, which the weight sync records);
@@ -34,17 +35,18 @@ import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
+from gepo_plugin import metric_names
 from gepo_plugin.hetero.core import FAILED, OVERFLOW, STALENESS_REASONS, StalenessCore
 from gepo_plugin.hetero.drop_bias import DROPPED_STEP
 from gepo_plugin.hetero.drop_bias import totals as drop_totals
 from gepo_plugin.hetero.lags import lag_summary
-from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
+from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue import seam
+from gepo_plugin.verl_glue.weight_versions import learner_version
 
 logger = logging.getLogger(__name__)
 
 TRAIN = "train"
-PREFIX = "hetero/"
 
 
 def uid_of(key: str) -> str:
@@ -55,18 +57,28 @@ def uid_of(key: str) -> str:
 class HeteroReplayBuffer(ReplayBufferAsync):
     """verl's async replay buffer whose staleness decisions and books are HeteroRL's core's."""
 
-    def __init__(self, *args, sampler_kwargs: Mapping[str, Any] | None = None, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         seam.require("hetero")
-        self.settings: HeteroSettings = parse_hetero(sampler_kwargs)
-        # verl's own prompt-step threshold is replaced by the core's version rule.
-        kwargs["max_off_policy_threshold"] = None
-        super().__init__(*args, sampler_kwargs=sampler_kwargs, **kwargs)
-        self.core = StalenessCore(self.settings.policy, self.settings.guard)
+        # verl's own prompt-step threshold is replaced by the core's version rule: switched off as the installed verl
+        # takes it (None on 0.9.1; a bound no run reaches where it wants an int; left out where it takes none).
+        kwargs.pop("max_off_policy_threshold", None)
+        kwargs |= seam.accepted_kwargs(
+            "verl.trainer.ppo.v1.replay_buffer.ReplayBufferAsync.__init__", max_off_policy_threshold=seam.NO_BOUND
+        )
+        super().__init__(*args, **kwargs)
+        #: the ``hetero`` settings and the staleness core, given by the trainer that built this buffer (:meth:`attach`)
+        self.settings: HeteroSettings | None = None
+        self.core: StalenessCore | None = None
         self._evicting: dict[str, str] = {}
         self._resumed_check_pending = False
         #: called while the learner waits for data (the delayed weight sync installs due arrivals).
         self.on_poll: Callable[[], None] | None = None
         self._last_sample_end: float | None = None
+
+    def attach(self, settings: HeteroSettings) -> None:
+        """Take the run's ``hetero`` settings (parsed once, by the trainer) and build the staleness core from them."""
+        self.settings = settings
+        self.core = StalenessCore(settings.policy, settings.guard)
 
     @property
     def ledger(self):
@@ -126,7 +138,7 @@ class HeteroReplayBuffer(ReplayBufferAsync):
         if partition_id != TRAIN:
             return super()._terminal_eviction_reasons(global_steps, partition_id)
         self._report_terminal_groups(partition_id)
-        self._evicting = self.core.evictions(global_steps - 1)
+        self._evicting = self.core.evictions(learner_version(global_steps))
         failed = {uid for uid, reason in self._evicting.items() if reason == FAILED}
         evicted = set(self._evicting) - failed
         overflow = sum(reason == OVERFLOW for reason in self._evicting.values())
@@ -153,7 +165,7 @@ class HeteroReplayBuffer(ReplayBufferAsync):
         # verl's own stale metrics count prompt-submission spans; HeteroRL's books are under hetero/.
         metrics = {k: v for k, v in metrics.items() if "/off_policy/" not in k}
         # additive: verl sums them over its polls; the trainer turns them into means beside the trained ones
-        metrics.update({f"{PREFIX}{DROPPED_STEP}{name}": value for name, value in dropped.items()})
+        metrics.update(metric_names.under(metric_names.HETERO + DROPPED_STEP, dropped))
         return evicted, stale_count, dapo_count, metrics
 
     def _dropped_totals(self, partition_id: str, uids: set[str]) -> dict[str, float]:
@@ -167,7 +179,7 @@ class HeteroReplayBuffer(ReplayBufferAsync):
         return drop_totals([tags[key].get("response_len", 0) for key in keys], rewards)
 
     def _has_enough_samples(self, global_steps, partition_id, batch_size, sampleable_keys) -> bool:
-        if partition_id == TRAIN and self.core.urgent(global_steps - 1, self._in_flight(partition_id)):
+        if partition_id == TRAIN and self.core.urgent(learner_version(global_steps), self._in_flight(partition_id)):
             return False
         return len(sampleable_keys) >= batch_size
 
@@ -191,30 +203,30 @@ class HeteroReplayBuffer(ReplayBufferAsync):
         end = time.perf_counter()
         selected = list(dict.fromkeys(uid_of(key) for key in batch.keys))
         mixed = self.core.mixed(selected)
-        lags = self.core.train(selected, global_steps - 1)
-        metrics.update(self.step_metrics(partition_id, global_steps - 1, lags, mixed, wait=end - start, end=end))
+        version = learner_version(global_steps)
+        lags = self.core.train(selected, version)
+        metrics.update(self.step_metrics(partition_id, version, lags, mixed, wait=end - start, end=end))
         return batch, metrics
 
     def step_metrics(
-        self, partition_id: str, learner_version: int, lags: np.ndarray, mixed: int, wait: float, end: float
+        self, partition_id: str, version: int, lags: np.ndarray, mixed: int, wait: float, end: float
     ) -> dict:
         """Everything a user watches per step (names under ``hetero/``)."""
-        metrics = self.core.metrics(PREFIX)  # checks produced == trained + dropped + queued
+        metrics = metric_names.under(metric_names.HETERO, self.core.metrics())  # checks produced == trained + ...
         inflight = len(self.pending_keys[partition_id]) + len(self.running_keys[partition_id])
-        metrics.update(lag_summary(lags.astype(float)))
+        metrics.update(metric_names.under(metric_names.LAG, lag_summary(lags.astype(float))))
         cycle = end - self._last_sample_end if self._last_sample_end is not None else None
         self._last_sample_end = end
-        metrics.update(
-            {
-                PREFIX + "learner_version": float(learner_version),
-                PREFIX + "queue/finished_untrained": float(self.ledger.queued),
-                PREFIX + "queue/in_flight": float(inflight),
-                PREFIX + "mixed_version_groups": float(mixed),
-                PREFIX + "learner_wait_s": float(wait),
-            }
-        )
+        step = {
+            "learner_version": float(version),
+            "queue/finished_untrained": float(self.ledger.queued),
+            "queue/in_flight": float(inflight),
+            "mixed_version_groups": float(mixed),
+            "learner_wait_s": float(wait),
+        }
         if cycle is not None and cycle > 0:
-            metrics[PREFIX + "learner_idle_fraction"] = float(min(1.0, wait / cycle))
+            step["learner_idle_fraction"] = float(min(1.0, wait / cycle))
+        metrics.update(metric_names.under(metric_names.HETERO, step))
         return metrics
 
     # ------------------------------------------------------------------ checkpoint

@@ -39,3 +39,9 @@ def release_resources(replica: Any) -> None:
             ray.util.remove_placement_group(group)
         except Exception as error:
             logger.debug("hetero: removing a lost replica's placement group: %r", error)
+
+
+def abandon(replica: Any) -> None:
+    """A replica that cannot serve (a replacement that failed to start or to join): stop it and free its devices."""
+    fence(replica)
+    release_resources(replica)

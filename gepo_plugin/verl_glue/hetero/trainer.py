@@ -1,13 +1,12 @@
-"""HeteroRL inside verl's ``separate_async`` trainer: the delayed weight sync and the checkpointed books.
+"""HeteroRL inside verl's ``separate_async`` trainer: the sampler fleet and the checkpointed books.
 
 :class:`HeteroMixin` is inert unless ``hetero.enable=true``. Then it
 
-1. replaces the standalone (sampler) ``CheckpointEngineManager`` with
-   :class:`~gepo_plugin.verl_glue.hetero.weight_sync.DelayedWeightSync` (simulated delay, if configured, and
-   elastic samplers: lost replicas are retired, optionally replaced), or with ``hetero.transport=relay`` with
-   :class:`~gepo_plugin.verl_glue.hetero.relay_sync.RelayWeightSync` (real weights over the relay, real arrivals),
-   and connects it to the plugin's replay buffer (version floors for in-flight groups, installs and retirements
-   while the learner waits);
+1. hands the plugin's replay buffer the ``hetero`` settings it parsed, and replaces the standalone (sampler)
+   ``CheckpointEngineManager`` with a :class:`~gepo_plugin.verl_glue.hetero.fleet.SamplerFleet` (elastic samplers:
+   lost replicas are retired, optionally replaced) whose weights travel by the configured transport
+   (:data:`TRANSPORTS`: simulated delay on verl's own engine, or the relay), connected to the replay buffer's
+   staleness core (version floors for in-flight groups, admission) and polled while the learner waits for data;
 2. saves the replay buffer's books (:class:`~gepo_plugin.hetero.core.StalenessCore`) as ``hetero.json`` next to
    verl's checkpoint (verl's TransferQueue checkpoint holds the groups themselves) and restores them on
    resume, so counters continue and nothing is counted twice or lost;
@@ -23,6 +22,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,17 +30,32 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from gepo_plugin import metric_names
 from gepo_plugin.config_keys import HETERO, HF_ROLLOUT_LATENCY
 from gepo_plugin.hetero import drop_bias
 from gepo_plugin.hetero.lag_buckets import STEP_ESS, finalize_lag_metrics
 from gepo_plugin.hetero.lags import response_lags
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
+from gepo_plugin.patching import apply_optional
 from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
+from gepo_plugin.verl_glue.hetero.fleet import SamplerFleet
+from gepo_plugin.verl_glue.hetero.relay_transport import RelayTransport
+from gepo_plugin.verl_glue.hetero.server_identity import SERVER_ID
+from gepo_plugin.verl_glue.hetero.simulated_transport import SimulatedTransport
+from gepo_plugin.verl_glue.hetero.transport import WeightTransport
+from gepo_plugin.verl_glue.response_terms import RESPONSE_LAG
+from gepo_plugin.verl_glue.weight_versions import learner_version
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "hetero.json"
+
+#: ``hetero.transport`` -> how weights reach the samplers (a new transport is one more entry).
+TRANSPORTS: dict[str, Callable[[SamplerFleet], WeightTransport]] = {
+    "simulated": SimulatedTransport,
+    "relay": RelayTransport,
+}
 
 
 @dataclass
@@ -69,17 +84,20 @@ class HeteroMixin(AdvantageFieldsMixin):
         super().__init__(config)
 
     def _hetero_buffer(self):
+        # lazy: a cycle through verl (importing the buffer first imports verl, whose hook imports this module)
         from gepo_plugin.verl_glue.hetero.replay_buffer import HeteroReplayBuffer
 
         buffer = getattr(self, "replay_buffer", None)
         return buffer if isinstance(buffer, HeteroReplayBuffer) else None
 
     def _setup(self):
+        buffer = self._hetero_buffer()
+        if buffer is not None:  # the settings parsed once, before verl's set-up may load a checkpoint into the buffer
+            buffer.attach(self.hetero.settings)
         super()._setup()
         settings = self.hetero.settings
         if not settings.enable:
             return
-        buffer = self._hetero_buffer()
         if buffer is None:
             raise RuntimeError(
                 "hetero.enable=true but trainer.v1.sampler.custom_sampler is not the plugin's HeteroReplayBuffer; "
@@ -87,22 +105,20 @@ class HeteroMixin(AdvantageFieldsMixin):
                 "trainer.v1.sampler.custom_sampler.path=pkg://gepo_plugin.verl_glue.hetero.replay_buffer "
                 "trainer.v1.sampler.custom_sampler.name=HeteroReplayBuffer"
             )
-        if settings.relay is not None:
-            from gepo_plugin.verl_glue.hetero.relay_sync import RelayWeightSync as Sync
-        else:
-            from gepo_plugin.verl_glue.hetero.weight_sync import DelayedWeightSync as Sync
+        fleet = SamplerFleet(
+            self.standalone_checkpoint_manager,
+            settings,
+            staleness=buffer.core,
+            transport=TRANSPORTS[settings.transport],
+            server_manager=self.standalone_server_manager,
+        )
+        self.standalone_checkpoint_manager = fleet
+        fleet.roster.load_state_dict(self.hetero.resumed_sampler_books)
+        buffer.on_poll = fleet.poll
 
-        sync = Sync(self.standalone_checkpoint_manager, settings, server_manager=self.standalone_server_manager)
-        self.standalone_checkpoint_manager = sync
-        sync.version_floors = buffer.core.version_floors  # the sync records, the core decides
-        sync.roster.load_state_dict(self.hetero.resumed_sampler_books)
-        buffer.on_poll = sync.poll
-
-    def _weight_sync(self):
-        from gepo_plugin.verl_glue.hetero.weight_sync import DelayedWeightSync
-
-        sync = getattr(self, "standalone_checkpoint_manager", None)
-        return sync if isinstance(sync, DelayedWeightSync) else None
+    def _fleet(self) -> SamplerFleet | None:
+        fleet = getattr(self, "standalone_checkpoint_manager", None)
+        return fleet if isinstance(fleet, SamplerFleet) else None
 
     def _advantage_reads(self) -> frozenset[str]:
         reads = super()._advantage_reads()
@@ -112,14 +128,12 @@ class HeteroMixin(AdvantageFieldsMixin):
         writes = super()._advantage_writes(batch, data, metrics)
         if self._hetero_buffer() is None:
             return writes
-        from gepo_plugin.verl_glue.response_terms import RESPONSE_LAG
-
-        lags = response_lags(batch.keys, batch.tags, learner_version=self.global_steps - 1)
+        lags = response_lags(batch.keys, batch.tags, learner_version=learner_version(self.global_steps))
         metrics.update(self._throughput_metrics(batch, data["extra_fields"]))
         metrics.update(self._drop_bias_metrics(batch, data["rm_scores"], metrics))
-        sync = self._weight_sync()
-        if sync is not None:  # this step's view: alive groups, failures and replacements so far
-            metrics.update(sync.roster.metrics())
+        fleet = self._fleet()
+        if fleet is not None:  # this step's view: alive groups, failures and replacements so far
+            metrics.update(metric_names.under(metric_names.HETERO, fleet.roster.metrics()))
         writes[RESPONSE_LAG] = torch.as_tensor(lags, dtype=torch.float32)
         return writes
 
@@ -128,10 +142,9 @@ class HeteroMixin(AdvantageFieldsMixin):
         # the loss reports by-lag totals; the step's mean / var / ESS / fraction per bucket come from them
         finalize_lag_metrics(metrics)
         buffer = self._hetero_buffer()
-        from gepo_plugin.verl_glue.losses import METRIC_PREFIX
-
-        ess = metrics.get(f"{METRIC_PREFIX}{STEP_ESS}")
+        ess = metrics.get(metric_names.GEPO_LOSS + STEP_ESS)
         if buffer is not None and ess is not None:  # the staleness guard reads the trained batch's ESS/N
+            # keyed by the version this update produced (global_steps itself, not the learner_version it started at)
             note = buffer.core.observe_ess(self.global_steps, float(ess))
             if note is not None:
                 logger.warning(note)
@@ -143,18 +156,18 @@ class HeteroMixin(AdvantageFieldsMixin):
         real = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
         lengths = [batch.tags[i].get("response_len", 0) for i in real]
         trained = drop_bias.totals(lengths, rm_scores.float().sum(-1)[real].numpy())
-        prefix = f"hetero/{drop_bias.DROPPED_STEP}"
+        prefix = metric_names.HETERO + drop_bias.DROPPED_STEP
         dropped = {name: float(metrics.pop(prefix + name, 0.0)) for name in drop_bias.TOTALS}
-        return drop_bias.bias_metrics("hetero/", dropped, trained)
+        return metric_names.under(metric_names.HETERO, drop_bias.bias_metrics(dropped, trained))
 
     def _server_groups(self) -> dict[str, str]:
         """Rollout server address -> sampler group label (``learner`` for the hybrid replicas on the learner).
 
         Addresses of retired replicas stay: their rollouts finished before the loss may still be trained."""
         live: dict[str, str] = {}
-        sync = self._weight_sync()
-        for replica_id, replica in sync.members.items() if sync is not None else ():
-            live[replica.server_address] = str(sync.roster.group_of[replica_id])
+        fleet = self._fleet()
+        for replica_id, replica in fleet.members.items() if fleet is not None else ():
+            live[replica.server_address] = str(fleet.roster.group_of[replica_id])
         for address in getattr(self.llm_server_manager, "server_addresses", []) or []:
             live.setdefault(address, "learner")
         self.hetero.server_groups.update(live)
@@ -166,8 +179,6 @@ class HeteroMixin(AdvantageFieldsMixin):
         Rollouts carry their server in ``extra_fields["server_id"]`` (patches/server_identity.py); if a
         rollout server does not report it the metrics are simply absent.
         """
-        from gepo_plugin.verl_glue.hetero.server_identity import SERVER_ID
-
         now = time.monotonic()
         last = self.hetero.last_throughput_time
         elapsed = now - (now if last is None else last)
@@ -187,18 +198,17 @@ class HeteroMixin(AdvantageFieldsMixin):
         tokens = dict(zip(names.tolist(), np.bincount(index, weights=lengths).tolist(), strict=True))
         out = {}
         for label in sorted({*trajectories, *(v for v in groups.values() if v != "learner")}):
-            prefix = f"hetero/sampler_group_{label}"
-            out[f"{prefix}/trained_trajectories"] = float(trajectories.get(label, 0))
+            out[metric_names.sampler_group(label, "trained_trajectories")] = float(trajectories.get(label, 0))
             if elapsed > 0:
-                out[f"{prefix}/trained_tokens_per_s"] = tokens.get(label, 0.0) / elapsed
+                out[metric_names.sampler_group(label, "trained_tokens_per_s")] = tokens.get(label, 0.0) / elapsed
         return out
 
     def hetero_state(self) -> dict:
         """What ``hetero.json`` holds: the replay buffer's books and queued versions, the sampler failures and
         replacements, and which sampler group each server address belonged to (groups queued at the checkpoint are
         attributed to the servers that generated them after a resume, whose servers have new addresses)."""
-        sync = self._weight_sync()
-        samplers = sync.roster.state_dict() if sync is not None else self.hetero.resumed_sampler_books
+        fleet = self._fleet()
+        samplers = fleet.roster.state_dict() if fleet is not None else self.hetero.resumed_sampler_books
         return {
             "global_steps": self.global_steps,
             "replay_buffer": self._hetero_buffer().state_dict(),
@@ -286,6 +296,4 @@ def load_recording_folder(trainer, load_checkpoint) -> str | None:
 
 def apply_hybrid_engine_off_patch() -> None:
     """verl 0.9.1's separate_async crashes with ``hybrid_engine=False``; apply the version-checked fix."""
-    from gepo_plugin.patching import apply_optional
-
     apply_optional("hybrid_engine_off", "hybrid_engine=False may fail if this verl still has the bug", logger)

@@ -1,7 +1,7 @@
 """``hetero.enable=true`` -> the verl settings that make it happen (applied by the launcher, :mod:`gepo_plugin.launch`).
 
-* ``trainer.v1.sampler.custom_sampler`` -> the plugin's :class:`HeteroReplayBuffer` (verl's hook),
-  with the ``hetero`` block as its ``sampler_kwargs``;
+* ``trainer.v1.sampler.custom_sampler`` -> the plugin's :class:`HeteroReplayBuffer` (verl's hook; the trainer hands
+  it the ``hetero`` settings it parsed);
 * every Ray process tags rollouts with their server (per-sampler-group throughput), and knows the custom resource
   of the learner's nodes (``hetero.learner_resource``), where verl's own services are kept
   (:mod:`gepo_plugin.verl_glue.hetero.placement`);
@@ -16,6 +16,8 @@ error that says what to change.
 
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import DictConfig, OmegaConf
 
 from gepo_plugin.config_keys import (
@@ -25,14 +27,12 @@ from gepo_plugin.config_keys import (
     CUSTOM_SAMPLER_NAME,
     CUSTOM_SAMPLER_PATH,
     EXPERIMENT_NAME,
-    HETERO,
     HETERO_RELAY,
     HETERO_RELAY_RUN_ID,
     MAX_OFF_POLICY_STRATEGY,
     MAX_OFF_POLICY_THRESHOLD,
     PROJECT_NAME,
     RAY_ENV_VARS,
-    SAMPLER_KWARGS,
 )
 from gepo_plugin.config_tree import NO_USER_KEYS, UserKeys
 from gepo_plugin.hetero.settings import HeteroSettings
@@ -48,10 +48,12 @@ SAMPLER_NAME = "HeteroReplayBuffer"
 REPLACED_SAMPLER_KEYS = (MAX_OFF_POLICY_THRESHOLD, MAX_OFF_POLICY_STRATEGY)
 
 
-def apply_hetero(config: DictConfig, settings: HeteroSettings, explicit: UserKeys = NO_USER_KEYS) -> None:
-    """When HeteroRL is enabled, point verl's replay buffer at the plugin's and tag rollouts with their server."""
+def apply_hetero(config: DictConfig, settings: HeteroSettings, explicit: UserKeys = NO_USER_KEYS) -> HeteroSettings:
+    """When HeteroRL is enabled, point verl's replay buffer at the plugin's and tag rollouts with their server.
+
+    Returns the settings as settled (the relay's run id filled in where the user gave none)."""
     if not settings.enable:
-        return
+        return settings
     _own(
         config,
         explicit,
@@ -65,8 +67,6 @@ def apply_hetero(config: DictConfig, settings: HeteroSettings, explicit: UserKey
             f"hetero.enable=true replaces verl's {', '.join(given)} with the exact bound hetero.max_lag (in weight "
             "versions) and hetero.strategy: remove the former and set the latter"
         )
-    # the replay buffer reads the block itself (an interpolation: `--cfg job` shows where its settings come from)
-    OmegaConf.update(config, SAMPLER_KWARGS, "${" + HETERO + "}", force_add=True)
     # every Ray process tags rollouts with their server (patches/server_identity.py): per-group throughput
     OmegaConf.update(config, f"{RAY_ENV_VARS}.{SERVER_ID_ENV}", "1", force_add=True)
     # verl's own services stay on the learner's nodes (patches/learner_placement.py)
@@ -84,9 +84,13 @@ def apply_hetero(config: DictConfig, settings: HeteroSettings, explicit: UserKey
         )
         if OmegaConf.select(config, HETERO_RELAY_RUN_ID) is None:
             OmegaConf.update(config, HETERO_RELAY_RUN_ID, "${" + PROJECT_NAME + "}/${" + EXPERIMENT_NAME + "}")
+            run_id = OmegaConf.select(config, HETERO_RELAY_RUN_ID)  # resolved
+            relay = settings.config.relay.model_copy(update={"run_id": run_id})
+            settings = dataclasses.replace(settings, config=settings.config.model_copy(update={"relay": relay}))
         # the engine reads the block itself, in every learner rank and sampler worker
         relay_kwargs = f"{CHECKPOINT_ENGINE_KWARGS}.{RELAY_CHECKPOINT_ENGINE}"
         OmegaConf.update(config, relay_kwargs, "${" + HETERO_RELAY + "}", force_add=True)
+    return settings
 
 
 def _own(config: DictConfig, explicit: UserKeys, values: dict[str, str], why: str, instead: str) -> None:
