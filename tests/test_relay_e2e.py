@@ -34,7 +34,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 MAX_LAG, SLOW_MBPS, LATENCY_MS = 2, 4.0, 20.0
 #: what a sampler node hosts: a rollout server (``<rollout>_server_<rank>_0``) and its checkpoint-engine workers
 SAMPLER_ACTORS = ("CheckpointEngineWorker", "CheckpointEngineWorker_0:0")
-STEPS, SAVE_FREQ = 20, 4
+#: after the node is killed (step KILL_AFTER) the run goes on for about 2 s a step: long enough for a replacement to
+#: start on the idle node and join (15-20 s here) with room to spare on a busy machine
+STEPS, SAVE_FREQ = 24, 4
 #: seconds the store is unreachable: several times a store operation's retries (hetero.relay.retry_attempts=5, with
 #: botocore answering a refused connection in about 2 s: see the storage options below), after which the publisher
 #: used to end publishing for good
