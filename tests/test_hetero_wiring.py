@@ -212,3 +212,12 @@ def test_an_optional_patch_on_another_verl_warns_with_what_is_lost(monkeypatch, 
         assert patching.apply_optional("server_identity", "per-sampler-group throughput is unavailable", log) is False
     assert "0.9.9" in caplog.text and "per-sampler-group throughput is unavailable" in caplog.text
     assert patching.applied_patches() == []
+
+
+def test_every_transport_the_config_accepts_has_an_implementation_and_no_other():
+    from typing import get_args
+
+    from gepo_plugin.hetero.settings import HeteroConfig
+    from gepo_plugin.verl_glue.hetero.trainer import TRANSPORTS
+
+    assert set(TRANSPORTS) == set(get_args(HeteroConfig.model_fields["transport"].annotation))

@@ -31,8 +31,8 @@ from gepo_plugin.options import STRICT_BLOCK, OptionsError, parse_options
 
 #: Where the block lives in the plugin's config tree.
 HETERO_KEY = config_keys.HETERO
-#: ``hetero.transport`` of the weight relay.
-RELAY_TRANSPORT = "relay"
+#: ``hetero.transport`` of the simulated delay on verl's own engine, and of the weight relay.
+SIMULATED_TRANSPORT, RELAY_TRANSPORT = "simulated", "relay"
 
 
 class HeteroConfigError(OptionsError):

@@ -162,7 +162,7 @@ class RelayTransport:
 
     def metrics(self) -> dict[str, float]:
         out = metric_names.under(metric_names.RELAY, self.publish_metrics)
-        out.update(metric_names.under(metric_names.RELAY + "samplers/", _summed(self.sampler_counters.values())))
+        out.update(metric_names.under(metric_names.RELAY_SAMPLERS, _summed(self.sampler_counters.values())))
         return out
 
     # --------------------------------------------------------------- the learner's side

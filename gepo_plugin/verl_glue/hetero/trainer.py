@@ -35,7 +35,7 @@ from gepo_plugin.config_keys import HETERO, HF_ROLLOUT_LATENCY
 from gepo_plugin.hetero import drop_bias
 from gepo_plugin.hetero.lag_buckets import STEP_ESS, finalize_lag_metrics
 from gepo_plugin.hetero.lags import response_lags
-from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
+from gepo_plugin.hetero.settings import RELAY_TRANSPORT, SIMULATED_TRANSPORT, HeteroSettings, parse_hetero
 from gepo_plugin.patching import apply_optional
 from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
@@ -53,8 +53,8 @@ STATE_FILE = "hetero.json"
 
 #: ``hetero.transport`` -> how weights reach the samplers (a new transport is one more entry).
 TRANSPORTS: dict[str, Callable[[SamplerFleet], WeightTransport]] = {
-    "simulated": SimulatedTransport,
-    "relay": RelayTransport,
+    SIMULATED_TRANSPORT: SimulatedTransport,
+    RELAY_TRANSPORT: RelayTransport,
 }
 
 
