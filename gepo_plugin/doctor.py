@@ -273,7 +273,11 @@ def from_args(args: argparse.Namespace) -> int:
     )
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gepo-doctor`` command line (the docs' command-line reference is generated from it)."""
+    return add_arguments(argparse.ArgumentParser(prog="gepo-doctor", description=__doc__.split("\n\n")[0]))
+
+
 def main(argv: list[str] | None = None) -> int:
     """``gepo-doctor`` console script."""
-    parser = add_arguments(argparse.ArgumentParser(prog="gepo-doctor", description=__doc__.split("\n\n")[0]))
-    return from_args(parser.parse_args(argv))
+    return from_args(build_parser().parse_args(argv))

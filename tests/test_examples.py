@@ -14,9 +14,9 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
+import cfg_job
 import pytest
 import yaml
 from omegaconf import OmegaConf
@@ -94,23 +94,8 @@ LAUNCHES: dict[str, tuple[dict[str, str], dict]] = {
         },
     ),
 }
-# `python -m gepo_plugin.main_ppo <overrides> --cfg job` for these; each start of the CLI imports verl (~10 s of CPU),
-# so one interpreter runs the module the way `python -m` does (runpy, run_name="__main__") once per script
+# `python -m gepo_plugin.main_ppo <overrides> --cfg job` for these (tests/cfg_job.py: one interpreter, runpy)
 CFG_JOB_SCRIPTS = [name for name in LAUNCHES if name.endswith(".sh")]
-MARKER = "=== gepo-cfg-job"
-CFG_JOB_RUNNER = f"""
-import json, runpy, sys
-
-for name, overrides in json.loads(sys.argv[1]):
-    print("{MARKER} begin", name, flush=True)
-    sys.argv = ["gepo_plugin.main_ppo", *overrides, "--cfg", "job"]
-    code = 0
-    try:
-        runpy.run_module("gepo_plugin.main_ppo", run_name="__main__", alter_sys=True)
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    print("{MARKER} end", name, code, flush=True)
-"""
 
 
 def script_env(tmp: Path, extra: dict[str, str]) -> dict[str, str]:
@@ -155,35 +140,10 @@ def overrides_by_script(tmp_path_factory) -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def cfg_jobs(overrides_by_script, tmp_path_factory):
     """Start resolving every launch command with the CLI's ``--cfg job`` (in the background, one process)."""
-    workdir = tmp_path_factory.mktemp("cfg_job")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "1"}
-    jobs = json.dumps([[name, overrides_by_script[name]] for name in CFG_JOB_SCRIPTS])
-    process = subprocess.Popen(
-        [sys.executable, "-c", CFG_JOB_RUNNER, jobs],
-        cwd=workdir,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    results: dict[str, tuple[int, str]] = {}
-
-    def collect() -> dict[str, tuple[int, str]]:
-        if not results:
-            stdout, stderr = process.communicate(timeout=300)
-            for chunk in stdout.split(f"{MARKER} begin ")[1:]:
-                name, _, rest = chunk.partition("\n")
-                text, _, end = rest.partition(f"{MARKER} end {name} ")
-                results[name] = (int(end.split()[0]) if end else -1, text)
-            for name in CFG_JOB_SCRIPTS:
-                results.setdefault(name, (-1, ""))
-            results["stderr"] = (process.returncode, stderr)
-        return results
-
+    jobs = [(name, overrides_by_script[name]) for name in CFG_JOB_SCRIPTS]
+    process, collect = cfg_job.start(jobs, tmp_path_factory.mktemp("cfg_job"))
     yield collect
-    if process.poll() is None:
-        process.kill()
-        process.communicate()
+    cfg_job.stop(process)
 
 
 # ---------------------------------------------------------------- scripts

@@ -28,6 +28,9 @@ def test_the_sdist_carries_the_licence_the_test_helpers_and_a_pip_users_descript
     }
     assert {"tests/conftest.py", "tests/reference.py"} | imported <= test_files  # the tests' own helpers
     assert {"LICENSE", "gepo_plugin/config/gepo_trainer.yaml"} <= names
+    # the documentation site's sources, so tests/test_docs.py builds it from the sdist too; no build output
+    assert {"docs/conf.py", "docs/_ext/gepo_reference.py", "docs/index.md", "ARCHITECTURE.md"} <= names
+    assert not any(name.startswith(("docs/_build/", "docs/reference/_generated/")) for name in names)
     assert info["License-Expression"] == "Apache-2.0" and "Apache License" in (ROOT / "LICENSE").read_text()
     description = info.get_payload()
     assert not description.lstrip().startswith("```") and "bash run.sh" not in description  # not the repo README

@@ -10,10 +10,10 @@ Two entry points:
   (``RolloutReplicaRegistry``), the Ray-mailbox checkpoint engine (``CheckpointEngineRegistry``) and the
   version-checked gloo patch. Nothing is imported before verl imports it itself, so a process pays only for what
   it uses.
-* :func:`settle_cpu_run` fills in what a ``trainer.device=cpu`` run needs (:func:`cpu_run_settings`; with the actor
+* :func:`fill_cpu_run` fills in what a ``trainer.device=cpu`` run needs (:func:`cpu_run_settings`; with the actor
   on verl's Megatron engine, ``model_engine=megatron``, the Megatron settings instead of FSDP2; with verl's vLLM
-  rollout, ``rollout.name=vllm``, vLLM's CPU settings), each only where the user set nothing, then refuses what
-  cannot work (:func:`check_cpu_run`).
+  rollout, ``rollout.name=vllm``, vLLM's CPU settings), each only where the user set nothing; the launcher then
+  refuses what cannot work (:func:`check_cpu_run`).
 
 Without ``VERL_PLATFORM=cpu`` nothing here runs: GPU hosts see no change.
 """
@@ -146,8 +146,8 @@ def cpu_run_settings(config: DictConfig) -> dict[str, object]:
     }
 
 
-def settle_cpu_run(config: DictConfig, explicit: UserKeys) -> None:
-    """Fill in what a CPU run needs where the user set nothing, then check it (the launcher's one call)."""
+def fill_cpu_run(config: DictConfig, explicit: UserKeys) -> None:
+    """Fill in what a CPU run needs where the user set nothing (the launcher then runs :func:`check_cpu_run`)."""
     # lazy: the launcher's code, kept out of import verl
     from gepo_plugin.cpu_backend.vllm.settings import vllm_cpu_settings
     from gepo_plugin.verl_glue.presets import apply_settings
@@ -155,7 +155,6 @@ def settle_cpu_run(config: DictConfig, explicit: UserKeys) -> None:
     apply_settings(config, cpu_run_settings(config), explicit)
     # second: the rollout that runs is known only now (verl's YAML says vllm, the CPU backend's default is hf)
     apply_settings(config, vllm_cpu_settings(config), explicit)
-    check_cpu_run(config)
 
 
 def check_cpu_run(config: DictConfig) -> None:

@@ -19,6 +19,8 @@ class AccountingError(RuntimeError):
 
 
 class RolloutLedger:
+    """Counts of rollout groups produced, trained and dropped (by reason), and the ids still queued."""
+
     def __init__(self) -> None:
         self.produced = 0
         self.trained = 0
@@ -57,6 +59,7 @@ class RolloutLedger:
             self.dropped[reason] += 1
 
     def check(self) -> None:
+        """Raise :class:`AccountingError` unless every group produced is trained, dropped or still queued."""
         total = self.trained + sum(self.dropped.values()) + self.queued
         if total != self.produced:
             raise AccountingError(

@@ -8,11 +8,12 @@ finished with the versions of its oldest and newest token, a group failed, the l
 * **admission**: may a sampler holding version ``w`` start a rollout? (:meth:`StalenessCore.may_start`);
 * **eviction**, with a reason: ``failed``, ``stale`` (``drop``: lag would exceed ``max_lag``), ``stale_overflow``
   (``wait``: more urgent groups finished than one batch holds, so the excess expired), ``mixed_versions``
-  (``refuse_mixed_versions``), ``missing_after_resume`` (:meth:`evictions`, :meth:`reconcile`);
+  (``refuse_mixed_versions``), ``missing_after_resume`` (:meth:`StalenessCore.evictions`,
+  :meth:`StalenessCore.reconcile`);
 * **waiting**: under ``wait`` the learner does not train version ``v`` while a group still in flight could
-  expire (:meth:`urgent`);
+  expire (:meth:`StalenessCore.urgent`);
 * **selection order**: oldest weight version first, then the step the prompt was submitted at, then the id
-  (:meth:`select`);
+  (:meth:`StalenessCore.select`);
 * **the books**: every group ever reported is trained, dropped with a reason, or still queued
   (:class:`~gepo_plugin.hetero.accounting.RolloutLedger`), checked on every transition, saved and restored.
 

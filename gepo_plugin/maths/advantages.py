@@ -1,6 +1,6 @@
 """Group-relative advantages (GRPO / Dr.GRPO / GEPO), BNPO, and Delta-L weights, vectorised.
 
-All functions take one scalar reward per response and a :class:`GroupIndex` of the prompt
+All functions take one scalar reward per response and a :class:`~gepo_plugin.maths.groups.GroupIndex` of the prompt
 each response answers, and return one advantage per response.
 """
 

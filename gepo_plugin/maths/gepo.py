@@ -1,6 +1,6 @@
 """GEPO: Group Expectation Policy Optimization (arXiv 2508.17850), as plain torch functions.
 
-For a prompt x with responses y_1..y_G (one *group*), sampler policy q and learner p_theta:
+For a prompt x with responses y_1..y_G (one *group*), sampler policy q and learner p_theta::
 
     s_j      = (1/|y_j|) sum_t log q(y_j,t | ...)          length-normalised sequence log-prob
     log E_q  = logsumexp_j(2 s_j) - logsumexp_j(s_j)         log of sum_j q_j^2 / sum_j q_j
@@ -146,8 +146,8 @@ def group_log_expectation_from_tokens(
     group_ids,
     valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Convenience: token-level sampler log-probs + group ids (or their :class:`GroupIndex`) -> per-row
-    ``log E_hat_q[q]``.
+    """Convenience: token-level sampler log-probs + group ids (or their
+    :class:`~gepo_plugin.maths.groups.GroupIndex`) -> per-row ``log E_hat_q[q]``.
 
     Non-padding rows must have at least one response token; an empty real response is an error.
     """

@@ -211,6 +211,7 @@ class Delta:
 
     @property
     def tensors(self) -> list[str]:
+        """The names of the tensors this delta changes (the others are the held version's)."""
         return [key[: -len(_XOR)] for key in self.arrays if key.endswith(_XOR)]
 
 

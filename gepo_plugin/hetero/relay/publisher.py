@@ -14,22 +14,20 @@ timeout) is retried with back-off, by the background thread, for up to ``outage_
 versions the learner publishes meanwhile replace the one waiting (coalesced and counted), training goes on, and the
 samplers lag as they would behind a slow link (the staleness bound makes the learner wait for them). When the store
 answers again, the newest version is published and the outage ends. Past the budget, or at once for a permanent
-error (no such bucket, access denied), the next :meth:`publish` or :meth:`check` raises with the URL, the operation
-and the fix.
-
-A keyframe a sampler asks for (:meth:`RelayPublisher.request_keyframe`: a stored shard stays corrupt, or a result
-failed its digest) is published at once: the version published last gets a full keyframe beside its delta, under a
-further manifest of the same version and lineage (``<version>-<lineage>.k<n>.json``; a puller takes a version's
-newest manifest). The shard addresses the sampler reported corrupt are written again even where an object exists
-(an object store would otherwise keep the bad bytes for every later version that reuses the address), and the
-manifest names them (``rewritten``). Waiting for the next version could wait for ever: the learner may itself be
-waiting for that sampler's rollouts. The same request (version, addresses) is answered once.
-
-Retention: :meth:`RelayPublisher.hold` tells it the oldest version a live sampler group holds. Versions no sampler
-can still need are deleted with the shards only they use: those older than both the oldest held version and the
-newest keyframe; and, whatever a sampler holds, those more than ``keyframe_every`` versions older than the newest
-keyframe (a sampler that far behind is served that keyframe). So the store keeps at most the versions from
-``newest keyframe - keyframe_every`` to the newest, fewer than ``2 x keyframe_every``.
+error (no such bucket, access denied), the next :meth:`RelayPublisher.publish` or :meth:`RelayPublisher.check`
+raises with the URL, the operation and the fix. A keyframe a sampler asks for
+(:meth:`RelayPublisher.request_keyframe`: a stored shard stays corrupt, or a result failed its digest) is published
+at once: the version published last gets a full keyframe beside its delta, under a further manifest of the same
+version and lineage (``<version>-<lineage>.k<n>.json``; a puller takes a version's newest manifest). The shard
+addresses the sampler reported corrupt are written again even where an object exists (an object store would
+otherwise keep the bad bytes for every later version that reuses the address), and the manifest names them
+(``rewritten``). Waiting for the next version could wait for ever: the learner may itself be waiting for that
+sampler's rollouts. The same request (version, addresses) is answered once. Retention: :meth:`RelayPublisher.hold`
+tells it the oldest version a live sampler group holds. Versions no sampler can still need are deleted with the
+shards only they use: those older than both the oldest held version and the newest keyframe; and, whatever a sampler
+holds, those more than ``keyframe_every`` versions older than the newest keyframe (a sampler that far behind is
+served that keyframe). So the store keeps at most the versions from ``newest keyframe - keyframe_every`` to the
+newest, fewer than ``2 x keyframe_every``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ roles) or the ``storage_options`` handed in; nothing here logs them. A transient
 connection, a timeout, a throttled request) is retried with exponential back-off and counted; one that keeps failing
 raises :class:`RelayStoreError` naming the URL, the operation and the object. A permanent error (no such bucket,
 access denied, a file where a directory must be) is not retried: it raises at once with the fix
-(:attr:`RelayStoreError.permanent`). Riding out a longer outage is the caller's decision (the publisher's and the
+(``RelayStoreError.permanent``). Riding out a longer outage is the caller's decision (the publisher's and the
 follower's outage budget, ``hetero.relay.outage_s``). Writes are atomic where the protocol is not (a local or
 shared directory: write, then rename), so a reader never sees half an object. Reads go through a
 :class:`~gepo_plugin.hetero.relay.link.Link` in chunks and resume from the last chunk received after an error.
