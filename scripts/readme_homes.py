@@ -24,87 +24,40 @@ ROOT = Path(__file__).resolve().parents[1]
 OLD_README = "85b5e3f:README.md"
 
 #: Old heading (its text, without the leading #s) -> (page, a heading or phrase that must appear in that page).
-HOMES: dict[str, tuple[str, str]] = {
+HOMES: dict[str, str | tuple[str, str]] = {
     "gepo-plugin": ("docs/index.md", "not the unrelated method of the same name"),
-    "Use it in a verl setup": ("docs/getting-started.md", "## Use it in a verl setup"),
-    "What is checked at start-up": ("docs/getting-started.md", "## What is checked at start-up"),
-    "Staying with `python -m verl.trainer.main_ppo`": (
-        "docs/getting-started.md",
-        "## Staying with `python -m verl.trainer.main_ppo`",
-    ),
+    "Use it in a verl setup": "docs/getting-started.md",
+    "What is checked at start-up": "docs/getting-started.md",
+    "Staying with `python -m verl.trainer.main_ppo`": "docs/getting-started.md",
     "verl's own trainer on a CPU (`trainer.device=cpu`)": ("docs/cpu.md", "## What `trainer.device=cpu` does"),
-    "A modelled GPU sampler (`rollout.engine_kwargs.hf.latency`)": (
-        "docs/cpu.md",
-        "## A modelled GPU sampler (`rollout.engine_kwargs.hf.latency`)",
-    ),
-    "verl's Megatron engine on a CPU (`model_engine=megatron`)": (
-        "docs/cpu.md",
-        "## verl's Megatron engine on a CPU (`model_engine=megatron`)",
-    ),
-    "verl with vLLM on a CPU (`rollout.name=vllm`, vLLM's CPU build)": (
-        "docs/cpu.md",
-        "## verl with vLLM on a CPU (`rollout.name=vllm`, vLLM's CPU build)",
-    ),
-    "How it plugs into verl": ("docs/development.md", "## How it plugs into verl"),
-    "verl's internals behind one guarded seam": ("docs/development.md", "## verl's internals behind one guarded seam"),
-    "Metrics (verl tracker: console, wandb, tensorboard)": (
-        "docs/getting-started.md",
-        "## Metrics (verl tracker: console, wandb, tensorboard)",
-    ),
-    # the other pages keep the old headings
-    "HeteroRL: decoupled samplers, an exact staleness bound, simulated WAN delay": (
-        "docs/hetero.md",
-        "HeteroRL: decoupled samplers, an exact staleness bound, simulated WAN delay",
-    ),
-    "The staleness guard and the cost of dropping": ("docs/hetero.md", "The staleness guard and the cost of dropping"),
-    "When a sampler fails": ("docs/hetero.md", "When a sampler fails"),
-    "Samplers in another cluster: the weight relay (`hetero.transport=relay`)": (
-        "docs/relay.md",
-        "Samplers in another cluster: the weight relay (`hetero.transport=relay`)",
-    ),
-    "The lab: the paper's stability claims on a CPU": (
-        "docs/results.md",
-        "The lab: the paper's stability claims on a CPU",
-    ),
-    "Measured: the `paper` preset": ("docs/results.md", "Measured: the `paper` preset"),
-    "20 paired seeds: 400 updates, lag 0 against lag 64 (on the shared core)": (
-        "docs/results.md",
-        "20 paired seeds: 400 updates, lag 0 against lag 64 (on the shared core)",
-    ),
-    "The harsh setting: lr 3e-3, 200 updates, 10 paired seeds (on the shared core)": (
-        "docs/results.md",
-        "The harsh setting: lr 3e-3, 200 updates, 10 paired seeds (on the shared core)",
-    ),
-    "GEPO+ and the staleness guard: 20 paired seeds (on the shared core)": (
-        "docs/results.md",
-        "GEPO+ and the staleness guard: 20 paired seeds (on the shared core)",
-    ),
-    "Sensitivity at max lag 64: learning rate, group size, clip, delays, length": (
-        "docs/results.md",
-        "Sensitivity at max lag 64: learning rate, group size, clip, delays, length",
-    ),
-    "Benchmarks": ("docs/results.md", "Benchmarks"),
-    "Start-up (`bench/bench_startup.py`)": ("docs/results.md", "Start-up (`bench/bench_startup.py`)"),
-    "GEPO loss (`bench/bench_loss.py`)": ("docs/results.md", "GEPO loss (`bench/bench_loss.py`)"),
-    "HeteroRL against verl's own `separate_async` (`bench/bench_hetero_overhead.py`)": (
-        "docs/results.md",
-        "HeteroRL against verl's own `separate_async` (`bench/bench_hetero_overhead.py`)",
-    ),
-    "Throughput against staleness (`bench/bench_staleness_throughput.py`, `bench/bench_staleness_lab.py`)": (
-        "docs/results.md",
-        "Throughput against staleness (`bench/bench_staleness_throughput.py`, `bench/bench_staleness_lab.py`)",
-    ),
-    "The weight relay (`bench/bench_relay.py`)": ("docs/results.md", "The weight relay (`bench/bench_relay.py`)"),
-    "Rollout engines (`bench/bench_rollout_engines.py`) and a GPU check (`bench/gpu_check.py`)": (
-        "docs/results.md",
-        "Rollout engines (`bench/bench_rollout_engines.py`) and a GPU check (`bench/gpu_check.py`)",
-    ),
-    "HeteroRL sampler and delay models (`bench/bench_sampler.py`)": (
-        "docs/results.md",
-        "HeteroRL sampler and delay models (`bench/bench_sampler.py`)",
-    ),
-    "Tests": ("docs/development.md", "## Tests"),
-    "Layout": ("docs/development.md", "## Layout"),
+    "A modelled GPU sampler (`rollout.engine_kwargs.hf.latency`)": "docs/cpu.md",
+    "verl's Megatron engine on a CPU (`model_engine=megatron`)": "docs/cpu.md",
+    "verl with vLLM on a CPU (`rollout.name=vllm`, vLLM's CPU build)": "docs/cpu.md",
+    "How it plugs into verl": "docs/development.md",
+    "verl's internals behind one guarded seam": "docs/development.md",
+    "Metrics (verl tracker: console, wandb, tensorboard)": "docs/getting-started.md",
+    "HeteroRL: decoupled samplers, an exact staleness bound, simulated WAN delay": "docs/hetero.md",
+    "The staleness guard and the cost of dropping": "docs/hetero.md",
+    "When a sampler fails": "docs/hetero.md",
+    "Samplers in another cluster: the weight relay (`hetero.transport=relay`)": "docs/relay.md",
+    "The lab: the paper's stability claims on a CPU": "docs/results.md",
+    "Measured: the `paper` preset": "docs/results.md",
+    "20 paired seeds: 400 updates, lag 0 against lag 64 (on the shared core)": "docs/results.md",
+    "The harsh setting: lr 3e-3, 200 updates, 10 paired seeds (on the shared core)": "docs/results.md",
+    "GEPO+ and the staleness guard: 20 paired seeds (on the shared core)": "docs/results.md",
+    "Sensitivity at max lag 64: learning rate, group size, clip, delays, length": "docs/results.md",
+    "Benchmarks": "docs/results.md",
+    "Start-up (`bench/bench_startup.py`)": "docs/results.md",
+    "GEPO loss (`bench/bench_loss.py`)": "docs/results.md",
+    "HeteroRL against verl's own `separate_async` (`bench/bench_hetero_overhead.py`)": "docs/results.md",
+    (
+        "Throughput against staleness (`bench/bench_staleness_throughput.py`, `bench/bench_staleness_lab.py`)"
+    ): "docs/results.md",
+    "The weight relay (`bench/bench_relay.py`)": "docs/results.md",
+    "Rollout engines (`bench/bench_rollout_engines.py`) and a GPU check (`bench/gpu_check.py`)": "docs/results.md",
+    "HeteroRL sampler and delay models (`bench/bench_sampler.py`)": "docs/results.md",
+    "Tests": "docs/development.md",
+    "Layout": "docs/development.md",
 }
 
 #: Old heading -> further (page, phrase) homes of the parts of that section that moved elsewhere than HOMES says.
@@ -189,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             homeless.append(f"{heading}: no home in HOMES")
             print(f"MISSING {'#' * level} {heading}: no home in HOMES")
             continue
-        page, phrase = HOMES[heading]
+        home = HOMES[heading]
+        page, phrase = home if isinstance(home, tuple) else (home, heading)
         problems = [p for p in (problem(page, phrase), *(problem(*h) for h in ALSO_MOVED.get(heading, []))) if p]
         if problems:
             homeless.append(f"{heading}: {'; '.join(problems)}")
