@@ -89,7 +89,11 @@ METRICS: tuple[Metric, ...] = (
     Metric(GEPO_LOSS + "iw_max", "largest weight of the step (after the log-ratio cap)"),
     Metric(GEPO_LOSS + "iw_min", "smallest weight of the step"),
     Metric(GEPO_LOSS + "log_iw_max", "largest raw log-weight, before the cap (a binding cap shows here)"),
-    Metric(GEPO_LOSS + "ess", "effective sample size of the weights, ESS/N (1 = uniform)"),
+    Metric(
+        GEPO_LOSS + "ess",
+        "effective sample size fraction of the weights, ESS/N = (sum w)^2 / (n sum w^2) over the step's sequences "
+        "(1 = uniform)",
+    ),
     Metric(GEPO_LOSS + "clipfrac", "share of sequences with a clipped token"),
     Metric(GEPO_LOSS + "log_ratio_cap_frac", "share of sequences whose weight the log-ratio cap replaced"),
     Metric(GEPO_LOSS + "sampler_kl", "mean per-token KL between the sampler's and the learner's policy"),
