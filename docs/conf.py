@@ -38,7 +38,7 @@ source_suffix = {".md": "markdown"}
 root_doc = "index"
 # docs/ also holds the lab's and the benchmarks' committed results (tables, JSON, logs): pages include or show them,
 # they are not pages of their own
-exclude_patterns = ["_build", "pypi.md", "lab/**", "bench/**", "relay/**", "reference/_generated/**"]
+exclude_patterns = ["_build", "pypi.md", "lab/**", "bench/**", "relay/**", "screenshots/**", "reference/_generated/**"]
 
 myst_enable_extensions = ["colon_fence", "deflist", "attrs_inline"]
 myst_heading_anchors = 4

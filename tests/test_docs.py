@@ -29,7 +29,7 @@ sys.path.insert(0, str(DOCS / "_ext"))
 import gepo_reference  # noqa: E402  (docs/_ext: the generator the build runs)
 
 #: Folders of docs/ that hold committed results the pages show, not pages.
-DATA_FOLDERS = ("lab", "bench", "relay", "_build", "reference/_generated")
+DATA_FOLDERS = ("lab", "bench", "relay", "screenshots", "_build", "reference/_generated")
 PAGES = sorted(
     path
     for path in DOCS.rglob("*.md")

@@ -145,6 +145,7 @@ def _cell(text: str) -> str:
 
 
 def options_markdown() -> str:
+    """One section per block; each option a definition: its key, then type, default and limits, then its meaning."""
     lines = []
     for prefix, model in option_surfaces().items():
         doc = (model.__doc__ or "").strip().splitlines()[0]
@@ -153,14 +154,10 @@ def options_markdown() -> str:
             "",
             f"{doc} Defined, validated and defaulted by `{model.__module__}.{model.__name__}`.",
             "",
-            "| key | type | default | limits | meaning |",
-            "|---|---|---|---|---|",
         ]
-        lines += [
-            f"| `{row.key}` | {_cell(row.type)} | {_cell(row.default)} | {_cell(row.limits)} | {_cell(row.meaning)} |"
-            for row in option_rows(prefix, model)
-        ]
-        lines.append("")
+        for row in option_rows(prefix, model):
+            facts = [f"type: {row.type}", f"default: {row.default}"] + ([f"limits: {row.limits}"] if row.limits else [])
+            lines += [f"`{row.key}`", f": {' · '.join(facts)}", "", f"  {row.meaning}", ""]
     return "\n".join(lines)
 
 
