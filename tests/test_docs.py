@@ -19,7 +19,8 @@ from pathlib import Path
 import cfg_job
 import pytest
 
-# one worker builds the site and resolves the commands once (the generated fragments are written in docs/)
+# one worker builds the site and resolves the commands once (the generated fragments are written in docs/); the
+# fixtures are session-scoped because xdist interleaves other modules' tests, which would tear a module's down
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("docs")]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +55,7 @@ def code_blocks(path: Path, languages: set[str]) -> Iterator[tuple[int, str]]:
 # ---------------------------------------------------------------- the build
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def site(tmp_path_factory) -> Path:
     """The site, built as CI and Read the Docs build it (a fresh build: warnings are re-emitted)."""
     out = tmp_path_factory.mktemp("html")
@@ -243,7 +244,7 @@ def printed_tiny_command(out: Path, arguments: list[str]) -> list[str]:
     return words[3:]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def resolved(tmp_path_factory):
     tiny = {name: printed_tiny_command(tmp_path_factory.mktemp("tiny"), args) for name, args in TINY_COMMANDS.items()}
     process, collect = cfg_job.start([*COMMANDS, *tiny.items()], tmp_path_factory.mktemp("docs_cfg_job"))

@@ -127,7 +127,8 @@ def printed_overrides(name: str, tmp: Path) -> list[str]:
     return overrides
 
 
-@pytest.fixture(scope="module")
+# session-scoped: xdist interleaves other modules' tests, which would tear a module fixture down and redo its work
+@pytest.fixture(scope="session")
 def overrides_by_script(tmp_path_factory) -> dict[str, list[str]]:
     tmp = tmp_path_factory.mktemp("launch")
     # the launcher checks that the data files exist before anything starts (prepare_math.py would write them)
@@ -137,7 +138,7 @@ def overrides_by_script(tmp_path_factory) -> dict[str, list[str]]:
     return {name: printed_overrides(name, tmp) for name in LAUNCHES}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cfg_jobs(overrides_by_script, tmp_path_factory):
     """Start resolving every launch command with the CLI's ``--cfg job`` (in the background, one process)."""
     jobs = [(name, overrides_by_script[name]) for name in CFG_JOB_SCRIPTS]

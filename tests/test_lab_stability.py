@@ -32,7 +32,8 @@ def run_lab(out: Path, preset: str = "ci", **overrides: Any) -> dict[str, Any]:
 LEARNING_MARGIN = 0.03
 
 
-@pytest.fixture(scope="module")
+# session-scoped: xdist interleaves other modules' tests, which would tear a module fixture down and rerun the lab
+@pytest.fixture(scope="session")
 def ci_run(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("stability_ci")
     return out, run_lab(out)
