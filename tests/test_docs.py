@@ -91,26 +91,28 @@ def test_the_site_reaches_no_network_when_viewed(site):
 
 
 def schema_keys(model, prefix: str) -> list[str]:
-    """Every option under ``prefix``, walked from pydantic's JSON schema (independently of the generator)."""
+    """Every option under ``prefix``, walked from pydantic's JSON schema (independently of the generator): a block's
+    options under its key, a list of blocks' under ``<key>[]`` unless that block was walked already."""
     schema = model.model_json_schema()
     definitions = schema.get("$defs", {})
+    walked = {schema.get("title")}
 
-    def block_of(prop: dict) -> dict | None:
-        if prop.get("type") == "array":
-            return None
-        refs = [prop, *prop.get("anyOf", []), *prop.get("allOf", [])]
-        for ref in refs:
+    def block_of(prop: dict) -> tuple[str | None, bool]:
+        for ref in [prop, *prop.get("anyOf", []), *prop.get("allOf", [])]:
             if "$ref" in ref:
-                return definitions[ref["$ref"].split("/")[-1]]
-        return None
+                return ref["$ref"].split("/")[-1], False
+            if ref.get("type") == "array" and "$ref" in ref.get("items", {}):
+                return ref["items"]["$ref"].split("/")[-1], True
+        return None, False
 
     def walk(node: dict, path: str) -> Iterator[str]:
         for name, prop in node.get("properties", {}).items():
             key = f"{path}.{name}"
             yield key
-            block = block_of(prop)
-            if block is not None:
-                yield from walk(block, key)
+            block, listed = block_of(prop)
+            if block is not None and not (listed and block in walked):
+                walked.add(block)
+                yield from walk(definitions[block], f"{key}[]" if listed else key)
 
     return list(walk(schema, prefix))
 
@@ -120,9 +122,12 @@ def test_the_config_reference_has_every_option_of_every_typed_block(site):
     expected = [key for prefix, model in gepo_reference.option_surfaces().items() for key in schema_keys(model, prefix)]
     assert [row.key for row in rows] == expected
     assert len(expected) >= 60  # GEPO's, BNPO's, ΔL's, hetero.* (relay, guard, health, delay) and the CPU rollout's
-    assert {"hetero.relay.url", "hetero.guard.enable", "actor_rollout_ref.rollout.engine_kwargs.hf.latency"} <= {
-        row.key for row in rows
-    }
+    assert {
+        "hetero.relay.url",
+        "hetero.relay.links[].bandwidth_mbps",
+        "hetero.guard.enable",
+        "actor_rollout_ref.rollout.engine_kwargs.hf.latency.decode_tokens_per_s",
+    } <= {row.key for row in rows}
     page = (site / "reference" / "config.html").read_text()
     for row in rows:
         assert row.key in page, row.key

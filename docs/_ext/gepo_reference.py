@@ -118,16 +118,26 @@ def default_text(info: FieldInfo) -> str:
     return f"`{value}`"
 
 
-def option_rows(prefix: str, model: type[BaseModel]) -> Iterator[OptionRow]:
-    """Every field of ``model`` under ``prefix``, a block's fields after the block's own row (depth first)."""
+def option_rows(
+    prefix: str, model: type[BaseModel], documented: set[type[BaseModel]] | None = None
+) -> Iterator[OptionRow]:
+    """Every field of ``model`` under ``prefix``, a block's fields after the block's own row (depth first).
+
+    A list of blocks (``hetero.relay.links``) documents its entries' fields as ``<key>[].<field>``, unless that block
+    is documented already (``hetero.group_delays`` entries are ``hetero.delay`` blocks: its row says so)."""
+    documented = set() if documented is None else documented
+    documented.add(model)
     for name, info in model.model_fields.items():
         key = f"{prefix}.{name}"
         nested = _models_in(info.annotation)
-        meaning = info.description or ""
-        yield OptionRow(key, type_text(info.annotation), default_text(info), limits_text(info), meaning)
         block = nested[0] if nested else None
-        if block is not None and typing.get_origin(info.annotation) not in (list,) and not _is_list_of(info):
-            yield from option_rows(key, block)
+        listed = _is_list_of(info)
+        meaning = info.description or ""
+        if block is not None and listed and block in documented:
+            meaning += f" (each entry: the options of a `{block.__name__}` block, listed above)"
+        yield OptionRow(key, type_text(info.annotation), default_text(info), limits_text(info), meaning)
+        if block is not None and not (listed and block in documented):
+            yield from option_rows(f"{key}[]" if listed else key, block, documented)
 
 
 def _is_list_of(info: FieldInfo) -> bool:
