@@ -19,9 +19,9 @@ from pathlib import Path
 import cfg_job
 import pytest
 
-# one worker builds the site and resolves the commands once (the generated fragments are written in docs/); the
-# fixtures are session-scoped because xdist interleaves other modules' tests, which would tear a module's down
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("docs")]
+# The site and the commands are session fixtures: each xdist worker that runs these tests builds and resolves them
+# once (a module fixture was torn down and redone whenever xdist ran another module's test in between).
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
