@@ -106,16 +106,11 @@ def limits_text(info: FieldInfo) -> str:
 
 
 def default_text(info: FieldInfo) -> str:
+    """The default as a command line writes it (the launcher's own spelling of override values)."""
+    if info.is_required():
+        return "(required)"
     value = info.get_default(call_default_factory=True)
-    if isinstance(value, BaseModel):
-        return "(block)"
-    if value is None:
-        return "`null`"
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
-    if value in ([], {}):
-        return f"`{value}`"
-    return f"`{value}`"
+    return "(block)" if isinstance(value, BaseModel) else f"`{_value(value)}`"
 
 
 def option_rows(
