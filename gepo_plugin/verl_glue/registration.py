@@ -33,6 +33,9 @@ from gepo_plugin.verl_glue.hetero.server_identity import ENV
 #: The environment switch of patches/learner_placement.py (:data:`gepo_plugin.verl_glue.hetero.placement.ENV`; named
 #: here too so that ``import verl`` need not import the placement module to read it).
 PLACEMENT_ENV = "GEPO_LEARNER_RESOURCE"
+#: The switch of patches/replay_buffer_poll.py (:data:`gepo_plugin.verl_glue.replay_wait.PACED_POLL_ENV`), set to
+#: ``1`` by the launcher in every run's Ray runtime env.
+PACED_POLL_ENV = "GEPO_PACED_REPLAY_POLL"
 
 logger = logging.getLogger("gepo_plugin")
 
@@ -92,6 +95,12 @@ def _apply_server_identity() -> None:
     apply_optional("server_identity", "per-sampler-group throughput metrics are unavailable", logger)
 
 
+def _apply_replay_buffer_poll() -> None:
+    from gepo_plugin.patching import apply_optional  # lazy: keeps import verl cheap
+
+    apply_optional("replay_buffer_poll", "verl's replay buffer keeps sleeping 2 s between polls", logger)
+
+
 def _apply_learner_placement() -> None:
     from gepo_plugin.patching import apply_optional  # lazy: keeps import verl cheap
 
@@ -110,7 +119,9 @@ def install() -> None:
     HeteroRL runs set ``GEPO_SERVER_IDENTITY=1`` in every Ray process (``hetero.enable=true``): there rollouts
     are tagged with the server that generated them once verl's rollout client is imported. They also name the
     learner nodes' resource (``GEPO_LEARNER_RESOURCE``): verl's services are kept there once verl's V1 trainer
-    package (imported by the TaskRunner before it creates them) is imported.
+    package (imported by the TaskRunner before it creates them) is imported. Every run the launcher starts sets
+    ``GEPO_PACED_REPLAY_POLL=1``: verl's replay buffer is paced once that package is imported (before the trainer
+    builds its buffer).
     """
     for verl_module, plugin_modules in REGISTRATIONS.items():
         on_import(verl_module, lambda _module, mods=plugin_modules: import_registering(mods))
@@ -118,6 +129,11 @@ def install() -> None:
         on_import(
             "verl.workers.rollout.llm_server",
             lambda _module: run_recorded("tag rollouts with their server", _apply_server_identity),
+        )
+    if os.environ.get(PACED_POLL_ENV) == "1":
+        on_import(
+            "verl.trainer.ppo.v1",
+            lambda _module: run_recorded("pace the replay buffer's polls", _apply_replay_buffer_poll),
         )
     if os.environ.get(PLACEMENT_ENV):
         on_import(

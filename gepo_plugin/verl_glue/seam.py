@@ -59,6 +59,8 @@ WARN_AT_IMPORT: tuple[str, ...] = ("verl",)
 #: Features that rest on private names, with what a user loses when one refuses to start.
 FEATURES: dict[str, str] = {
     "group_term": "GEPO's trainer-side group term (trainers gepo_sync / gepo_colocate_async / gepo_separate_async)",
+    "verl_trainer_mode": "the plugin's trainers run verl's own logic of the mode they extend (its replay buffer, "
+    "refills, TransferQueue checkpoints, trainer.v1.<mode>.parameter_sync_step)",
     "metric_aggregation": "max/min/sum aggregation of GEPO's *_max, *_min and by-lag metrics",
     "hetero": "HeteroRL (hetero.enable=true): exact staleness replay buffer, delayed weight sync, checkpointed books",
     "elastic_samplers": "HeteroRL survives a sampler that dies or hangs (hetero.health.*, hetero.replace_failed)",
@@ -67,6 +69,8 @@ FEATURES: dict[str, str] = {
     "gepo_colocate_async), instead of verl waiting for ever",
     "vllm_engine_health": "a vLLM rollout server whose engine died counts as lost (health probes, rollout.name=vllm)",
     "weight_relay": "HeteroRL's weight relay (hetero.transport=relay): weights through a store, real arrivals",
+    "paced_replay_poll": "verl's replay buffer waits for rollouts in paced polls (20 ms on small batches) instead of "
+    "2 s sleeps, in every run the plugin's launcher starts",
     "hybrid_engine_off": "separate_async with actor_rollout_ref.hybrid_engine=False (fix of a verl 0.9.1 crash)",
     "learner_placement": "HeteroRL keeps verl's own services on the learner's nodes (hetero.learner_resource), so any "
     "sampler node can be lost",
@@ -125,6 +129,7 @@ class Contact:
 
 _TRAINER = "verl.trainer.ppo.v1.trainer_base"
 _BUFFER = "verl.trainer.ppo.v1.replay_buffer"
+_SEPARATE_ASYNC = "verl.trainer.ppo.v1.trainer_separate_async"
 _SERVER = "verl.workers.rollout.llm_server"
 _ROUTER = "verl.workers.rollout.router"  # verl 0.9.1's home of the load balancer (re-exported by llm_server)
 _MEGATRON_RANDOM = "megatron.core.tensor_parallel.random"
@@ -145,6 +150,14 @@ CONTACTS: tuple[Contact, ...] = (
         ("group_term", "hetero"),
         "override: finalise the step's GEPO weight statistics and the by-lag ones from their totals",
         ("self", "batch", "metrics"),
+    ),
+    Contact(
+        _TRAINER,
+        "PPOTrainer.__init__",
+        ("verl_trainer_mode",),
+        "answer self.trainer_mode (which verl assigns the registered name and branches on) with verl's mode",
+        ("self", "config"),
+        source_marker="self.trainer_mode = self.config.trainer.v1.trainer_mode",
     ),
     Contact(_TRAINER, "PPOTrainer._save_checkpoint", ("hetero",), "override: save hetero.json beside", ("self",)),
     Contact(
@@ -212,10 +225,57 @@ CONTACTS: tuple[Contact, ...] = (
     ),
     Contact(
         _BUFFER,
-        "ReplayBufferAsync._wait_for_next_poll",
-        ("hetero",),
-        "override: install arrived weights while the learner waits",
+        "ReplayBuffer._sync_metadata_from_transfer_queue",
+        ("hetero", "paced_replay_poll"),
+        "wrap (patch; HeteroReplayBuffer overrides): a poll begins, the clock of its cost",
+        ("self",),
+    ),
+    Contact(
+        _BUFFER,
+        "ReplayBuffer._wait_for_next_poll",
+        ("hetero", "paced_replay_poll"),
+        "replace (patch), override (HeteroReplayBuffer: install arrived weights while the learner waits): call it "
+        "with poll_interval set to the paced interval",
         ("self", "partition_id", "last_debug_time"),
+        source_marker="time.sleep(self.poll_interval)",
+    ),
+    Contact(
+        _BUFFER,
+        "ReplayBuffer.__init__",
+        ("rollout_watchdog",),
+        "wrap the instance's refill_fn: the watchdog's check runs before each refill of failed groups",
+        ("self", "trainer_mode", "trainer_config"),
+        source_marker="self.refill_fn = refill_fn",
+    ),
+    Contact(
+        _SEPARATE_ASYNC,
+        "PPOTrainerSeparateAsync._step_had_idle",
+        ("paced_replay_poll",),
+        "replace: 'the step's sampling waited' counted, not inferred from one 2 s poll interval",
+        ("self",),
+        source_marker="poll_interval",
+    ),
+    Contact(
+        _SEPARATE_ASYNC,
+        "PPOTrainerSeparateAsync.on_step_begin",
+        ("paced_replay_poll",),
+        "wrap: a step's count of waits starts at 0",
+        ("self",),
+        source_marker="self._step_sample_wait_seconds = 0.0",
+    ),
+    Contact(
+        _SEPARATE_ASYNC,
+        "PPOTrainerSeparateAsync.on_sample_begin",
+        ("paced_replay_poll",),
+        "wrap: the buffer's waits before a sample call",
+        ("self",),
+    ),
+    Contact(
+        _SEPARATE_ASYNC,
+        "PPOTrainerSeparateAsync.on_sample_end",
+        ("paced_replay_poll",),
+        "wrap: add the sample call's waits to the step's",
+        ("self",),
     ),
     Contact(
         _BUFFER,
@@ -787,16 +847,30 @@ def resolve(name: str) -> Any:
     return _lookup(contact)[2]
 
 
+#: ``{contact name: what was there before this process's first replace}``: verl's own code behind a patch.
+ORIGINALS: dict[str, Any] = {}
+
+
 def replace(name: str, new: Any) -> Any:
     """Set contact ``name`` to ``new`` (a patch), where it resolves; returns the original, also kept as
-    ``new.__wrapped__``."""
+    ``new.__wrapped__`` and for :func:`original`."""
     original = resolve(name)
     owner, attribute, _ = _lookup(contact_named(name))
     if callable(new) and not hasattr(new, "__wrapped__"):
         with contextlib.suppress(AttributeError):
             new.__wrapped__ = original
+    ORIGINALS.setdefault(contact_named(name).name, original)
     setattr(owner, attribute, new)
     return original
+
+
+def original(name: str) -> Any:
+    """The installed code of contact ``name`` as it was before any patch of this process replaced it (what a
+    replacement calls, and what code that must not depend on the patch calls directly)."""
+    contact = contact_named(name)
+    if contact.name in ORIGINALS:
+        return ORIGINALS[contact.name]
+    return resolve(name)
 
 
 class _NoBound:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -29,13 +30,14 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from gepo_plugin import metric_names
 from gepo_plugin.maths import GroupIndex, group_log_expectation_from_tokens
-from gepo_plugin.verl_glue import seam
+from gepo_plugin.names import GEPO_TRAINER_FOR_MODE, HETERO_TRAINER
+from gepo_plugin.verl_glue import replay_wait, seam
 from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
 from gepo_plugin.verl_glue.hetero.trainer import HeteroMixin
 from gepo_plugin.verl_glue.losses import finalize_gepo_metrics
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
 from gepo_plugin.verl_glue.rollout_agreement import RolloutAgreementMixin
-from gepo_plugin.verl_glue.rollout_watchdog import RolloutWatchdog
+from gepo_plugin.verl_glue.rollout_watchdog import RolloutReplicaLost, RolloutWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,34 @@ def compute_group_terms(uids: np.ndarray, old_log_probs: torch.Tensor, response_
         metric_names.GEPO_GROUPS + "log_group_expectation_mean": float(log_eq[valid].mean()),
     }
     return log_eq.to(torch.float32), metrics
+
+
+class VerlModeMixin:
+    """verl sees a plugin trainer as the mode it extends.
+
+    verl's base trainer keeps the registered name in ``self.trainer_mode`` and branches on it: ``== "sync"`` picks
+    the sync replay buffer (failed groups are trained as they are, not evicted and refilled), the dataloader's fetch
+    size and whether TransferQueue is checkpointed; ``trainer.v1.<mode>`` holds ``parameter_sync_step``. Under the
+    names the plugin registers (``gepo_sync``, ``gepo_separate_async``, ...) verl took every such branch as an
+    asynchronous mode and read no ``parameter_sync_step`` (always 1). Here ``trainer_mode`` answers verl's mode
+    (:attr:`verl_mode`); the registered name is kept in :attr:`registered_mode`.
+    """
+
+    #: verl's mode this trainer extends.
+    verl_mode: ClassVar[str]
+    registered_mode: str
+
+    def __init__(self, config):
+        seam.require("verl_trainer_mode")
+        super().__init__(config)
+
+    @property
+    def trainer_mode(self) -> str:
+        return self.verl_mode
+
+    @trainer_mode.setter
+    def trainer_mode(self, registered: str) -> None:  # verl's PPOTrainer.__init__ assigns the configured name
+        self.registered_mode = registered
 
 
 class ResponseTermsMixin(AdvantageFieldsMixin):
@@ -103,10 +133,14 @@ class RolloutWatchdogMixin:
         super()._setup()
         seam.require("rollout_watchdog")
         self._rollout_watchdog = RolloutWatchdog(self.llm_server_manager.rollout_replicas)
+        # the trainer's waits for rollouts and its refills of failed groups raise the watchdog's error themselves
+        replay_wait.add_check(self.replay_buffer, self._rollout_watchdog.raise_if_lost)
 
     def fit(self, agent_loop_manager):
         try:
             return super().fit(agent_loop_manager)
+        except RolloutReplicaLost:
+            raise  # raised by a wait for rollouts or a refill (the checks added in _setup)
         except BaseException as error:
             watchdog = getattr(self, "_rollout_watchdog", None)
             if watchdog is not None:
@@ -117,26 +151,36 @@ class RolloutWatchdogMixin:
                 self._rollout_watchdog.stop()
 
 
-@register_trainer("gepo_sync")
-class GEPOTrainerSync(ResponseTermsMixin, RolloutAgreementMixin, RolloutWatchdogMixin, PPOTrainerSync):
+@register_trainer(GEPO_TRAINER_FOR_MODE["sync"])
+class GEPOTrainerSync(VerlModeMixin, ResponseTermsMixin, RolloutAgreementMixin, RolloutWatchdogMixin, PPOTrainerSync):
     """verl's sync trainer with GEPO's trainer-side group term."""
 
+    verl_mode = "sync"
 
-@register_trainer("gepo_colocate_async")
+
+@register_trainer(GEPO_TRAINER_FOR_MODE["colocate_async"])
 class GEPOTrainerColocateAsync(
-    ResponseTermsMixin, RolloutAgreementMixin, RolloutWatchdogMixin, PPOTrainerColocateAsync
+    VerlModeMixin, ResponseTermsMixin, RolloutAgreementMixin, RolloutWatchdogMixin, PPOTrainerColocateAsync
 ):
     """verl's colocate_async trainer with GEPO's trainer-side group term."""
 
+    verl_mode = "colocate_async"
 
-@register_trainer("gepo_separate_async")
-class GEPOTrainerSeparateAsync(ResponseTermsMixin, RolloutAgreementMixin, HeteroMixin, PPOTrainerSeparateAsync):
+
+@register_trainer(GEPO_TRAINER_FOR_MODE["separate_async"])
+class GEPOTrainerSeparateAsync(
+    VerlModeMixin, ResponseTermsMixin, RolloutAgreementMixin, HeteroMixin, PPOTrainerSeparateAsync
+):
     """verl's separate_async trainer with GEPO's trainer-side group term and HeteroRL (``hetero.enable``)."""
 
+    verl_mode = "separate_async"
 
-@register_trainer("hetero_separate_async")
-class HeteroTrainerSeparateAsync(RolloutAgreementMixin, HeteroMixin, PPOTrainerSeparateAsync):
+
+@register_trainer(HETERO_TRAINER)
+class HeteroTrainerSeparateAsync(VerlModeMixin, RolloutAgreementMixin, HeteroMixin, PPOTrainerSeparateAsync):
     """verl's separate_async trainer with HeteroRL, for losses other than GEPO (``hetero.enable=true``)."""
+
+    verl_mode = "separate_async"
 
 
 __all__ = [
@@ -148,5 +192,6 @@ __all__ = [
     "PPOTrainer",
     "ResponseTermsMixin",
     "RolloutWatchdogMixin",
+    "VerlModeMixin",
     "compute_group_terms",
 ]

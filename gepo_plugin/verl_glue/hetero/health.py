@@ -53,8 +53,11 @@ class _Probe:
     sent: float
 
 
-def probe(servers: Mapping[int, Sequence[ActorHandle]], timeout_s: float) -> dict[int, str]:
-    """Probe each replica's servers once; returns ``replica -> "died" | "hung"`` for those that failed."""
+def probe(
+    servers: Mapping[int, Sequence[ActorHandle]], timeout_s: float, causes: dict[int, str] | None = None
+) -> dict[int, str]:
+    """Probe each replica's servers once; returns ``replica -> "died" | "hung"`` for those that failed (and writes
+    why into ``causes``, when given)."""
     probes = {replica: send_probes(handles) for replica, handles in servers.items()}
     refs = [ref for group in probes.values() for ref in group]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
@@ -63,10 +66,12 @@ def probe(servers: Mapping[int, Sequence[ActorHandle]], timeout_s: float) -> dic
     for replica, group in probes.items():
         verdict, cause = _verdict(group, ready)
         if verdict is None and not all(ref in ready for ref in group):
-            verdict = "hung"
+            verdict, cause = "hung", f"no answer to a probe within {timeout_s:g} s"
         if verdict is not None:
             if cause:
                 logger.warning("hetero: sampler replica %d: %s", replica, cause)
+                if causes is not None:
+                    causes[replica] = cause
             lost[replica] = verdict
     return lost
 

@@ -41,7 +41,7 @@ from gepo_plugin.hetero.drop_bias import DROPPED_STEP
 from gepo_plugin.hetero.drop_bias import totals as drop_totals
 from gepo_plugin.hetero.lags import lag_summary
 from gepo_plugin.hetero.settings import HeteroSettings
-from gepo_plugin.verl_glue import seam
+from gepo_plugin.verl_glue import replay_wait, seam
 from gepo_plugin.verl_glue.weight_versions import learner_version
 
 logger = logging.getLogger(__name__)
@@ -189,10 +189,15 @@ class HeteroReplayBuffer(ReplayBufferAsync):
         chosen = self.core.select(sampleable_keys, batch_size)
         return chosen, dict(self.partitions[partition_id]), dict(self.prompt_global_steps[partition_id])
 
+    def _sync_metadata_from_transfer_queue(self) -> None:
+        replay_wait.mark_poll(self)
+        super()._sync_metadata_from_transfer_queue()
+
     def _wait_for_next_poll(self, partition_id: str, last_debug_time: float) -> float:
+        """Install what arrived, then verl's wait, paced (the plugin's own, whether or not verl's is patched)."""
         if self.on_poll is not None:
             self.on_poll()
-        return super()._wait_for_next_poll(partition_id, last_debug_time)
+        return replay_wait.paced_wait(self, partition_id, last_debug_time)
 
     # ------------------------------------------------------------------ sampling
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
