@@ -41,6 +41,15 @@ def placed(cluster):
     apply_named("learner_placement")
     yield cluster
     os.environ.pop(ENV, None)
+    # undone for the modules that run after this one in the same process: the controller was bound to this
+    # cluster's resource when the patch was applied, and a later TransferQueue would wait for a node offering it
+    from gepo_plugin import patching
+    from gepo_plugin.verl_glue import seam
+
+    for contact in seam.CONTACTS:
+        if "learner_placement" in contact.features:
+            seam.restore(contact.name)
+    patching.APPLIED.remove("learner_placement")
 
 
 def nodes_of(handles) -> set[str]:

@@ -29,9 +29,14 @@ class EngineLost(RuntimeError):
 
 @pytest.fixture(scope="module")
 def paced(transfer_queue):
-    """verl's buffers patched in this process, as in a run the launcher starts."""
+    """verl's buffers patched in this process, as in a run the launcher starts (undone afterwards, for the modules
+    that run after this one in the same process)."""
     patching.apply_named(replay_wait.PATCH_NAME)
     yield transfer_queue
+    for contact in seam.CONTACTS:
+        if replay_wait.FEATURE in contact.features:
+            seam.restore(contact.name)
+    patching.APPLIED.remove(replay_wait.PATCH_NAME)
 
 
 @pytest.fixture

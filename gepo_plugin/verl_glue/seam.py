@@ -864,6 +864,14 @@ def replace(name: str, new: Any) -> Any:
     return original
 
 
+def restore(name: str) -> None:
+    """Put back what a patch of this process replaced at contact ``name`` (tests that apply a patch undo it)."""
+    contact = contact_named(name)
+    if contact.name in ORIGINALS:
+        owner, attribute, _ = _lookup(contact)
+        setattr(owner, attribute, ORIGINALS.pop(contact.name))
+
+
 def original(name: str) -> Any:
     """The installed code of contact ``name`` as it was before any patch of this process replaced it (what a
     replacement calls, and what code that must not depend on the patch calls directly)."""
