@@ -31,11 +31,14 @@ from gepo_plugin.tiny import cpu_run_overrides, read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
-MAX_LAG, SLOW_MBPS, LATENCY_MS = 2, 4.0, 20.0
+#: group 0's link is slow enough to pace the run once group 1's node is killed: with only group 0 left, a step under the
+#: wait strategy needs one of its installs, and a weight delta of the tiny model (~270 kB) takes ~2.2 s at 1 Mbit/s
+MAX_LAG, SLOW_MBPS, LATENCY_MS = 2, 1.0, 20.0
 #: what a sampler node hosts: a rollout server (``<rollout>_server_<rank>_0``) and its checkpoint-engine workers
 SAMPLER_ACTORS = ("CheckpointEngineWorker", "CheckpointEngineWorker_0:0")
-#: after the node is killed (step KILL_AFTER) the run goes on for about 2 s a step: long enough for a replacement to
-#: start on the idle node and join (15-20 s here) with room to spare on a busy machine
+#: after the node is killed (step KILL_AFTER) the run goes on for at least one slow pull a step (above): 17 steps,
+#: ~37 s or more, long enough for a replacement to start on the idle node and join (15-20 s here) with room to spare
+#: on a busy machine (the run's own pace is no bound: without the slow link a step takes 0.5-1 s)
 STEPS, SAVE_FREQ = 24, 4
 #: seconds the store is unreachable: several times a store operation's retries (hetero.relay.retry_attempts=5, with
 #: botocore answering a refused connection in about 2 s: see the storage options below), after which the publisher

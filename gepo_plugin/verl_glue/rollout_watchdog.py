@@ -14,17 +14,18 @@ refills failed groups: :meth:`RolloutWatchdog.raise_if_lost` is registered as a 
 (:func:`gepo_plugin.verl_glue.replay_wait.add_check`), so the trainer's own thread raises the error at its next poll
 (at most one paced interval, 0.5 s, after the verdict) or refill, deterministically; an error of verl's that comes
 first (a sync trainer whose groups all failed at once) is attributed by one confirming probe
-(:meth:`RolloutWatchdog.confirm`). A death found while the trainer is blocked somewhere else (a weight update into
-the dead engine, which never returns) is ended the blunt way, after :data:`INTERRUPT_AFTER_S` without a stop: the
-trainer's thread is interrupted (``_thread.interrupt_main``, the way Ray itself cancels a task) until ``fit`` has
-stopped. So a death is detected within about ``2 x hetero.health.interval_s`` (4 s by default), and the trainer
-stops within 0.5 s after that when it waits for rollouts, within :data:`INTERRUPT_AFTER_S` when it is blocked
-elsewhere; it logs the moment (``gepo-plugin: the run stops``).
+(:meth:`RolloutWatchdog.confirm`). A death found while the trainer is blocked in a call to the replica's workers (a
+weight update into the dead engine, which never returns) is ended by stopping those workers,
+:data:`STOP_WORKERS_AFTER_S` after the verdict: the call fails, and ``fit`` raises the error. (Interrupting the
+trainer's thread instead, as this module once did, was not reliable: a wait inside ``asyncio.run`` and Ray's
+``get`` swallowed the interrupts of one run in CI for three minutes.) So a death is detected within about
+``2 x hetero.health.interval_s`` (4 s by default), and the trainer stops within 0.5 s after that when it waits for
+rollouts, within :data:`STOP_WORKERS_AFTER_S` and the failure of its call when it is blocked; it logs the moment
+(``gepo-plugin: the run stops``).
 """
 
 from __future__ import annotations
 
-import _thread
 import logging
 import threading
 from typing import Any
@@ -37,14 +38,11 @@ from gepo_plugin.verl_glue.hetero.health import HealthMonitor, probe
 logger = logging.getLogger(__name__)
 #: Seconds a confirming probe (:meth:`RolloutWatchdog.confirm`) waits for each replica's answer.
 CONFIRM_TIMEOUT_S = 10.0
-#: Seconds after a death before the trainer's thread is interrupted, if its own waits have not stopped it by then:
-#: a trainer waiting for rollouts raises within one paced interval (at most 0.5 s) plus a poll, so a trainer still
-#: running after this is blocked elsewhere (a weight update into the dead engine, which never returns).
-INTERRUPT_AFTER_S = 2.0
-#: Seconds between interrupts of the trainer's thread after that, until the run has stopped: a trainer blocked in
-#: verl's weight update waits inside ``asyncio.run``, whose handler turns the first interrupt into a cancellation of
-#: the waiting task (which a Ray wait may not heed) and only the second into ``KeyboardInterrupt``.
-INTERRUPT_EVERY_S = 1.0
+#: Seconds after a death before the replica's workers are stopped, if the trainer's own waits have not stopped the
+#: run by then: a trainer waiting for rollouts raises within one paced interval (at most 0.5 s) plus a poll, so a
+#: trainer still running after this is blocked in a call to those workers (a weight update into the dead engine,
+#: which never returns).
+STOP_WORKERS_AFTER_S = 2.0
 
 
 class RolloutReplicaLost(RuntimeError):
@@ -57,8 +55,6 @@ class RolloutWatchdog:
     def __init__(self, replicas: list[Any], config: HealthConfig | None = None) -> None:
         self.replicas = dict(enumerate(replicas))
         self.lost: dict[int, str] = {}
-        #: the trainer's loop runs on the thread that builds the watchdog; only the main thread can be interrupted
-        self._interruptible = threading.current_thread() is threading.main_thread()
         self._stopped = threading.Event()
         self.monitor = HealthMonitor(config or HealthConfig(), self._on_lost)
         for index, replica in self.replicas.items():
@@ -76,26 +72,23 @@ class RolloutWatchdog:
             f"{detect_s:.1f} s: {cause}"
         )
         logger.error("gepo-plugin: %s; stopping its servers so the requests waiting on it fail", self.lost[index])
-        for server in replica.servers:  # (its workers may be the learner's own, in a colocated run: left alone)
-            try:
-                ray.kill(server, no_restart=True)
-            except Exception as error:
-                logger.debug("gepo-plugin: kill of a dead rollout server: %r", error)
-        if self._interruptible:
-            threading.Thread(
-                target=self._interrupt_until_stopped, name="rollout-watchdog-interrupt", daemon=True
-            ).start()
+        _kill(replica.servers, "a dead rollout server")
+        threading.Thread(
+            target=self._stop_workers_if_blocked, args=(replica,), name="rollout-watchdog-stop", daemon=True
+        ).start()
 
-    def _interrupt_until_stopped(self) -> None:
-        """After :data:`INTERRUPT_AFTER_S` without a stop, interrupt the trainer's thread until ``fit`` has turned it
-        into the error and stopped the watchdog: code that catches the interrupt on its way (Ray's and asyncio's
-        internals) must not let the wait go on."""
-        if self._stopped.wait(INTERRUPT_AFTER_S):
+    def _stop_workers_if_blocked(self, replica: Any) -> None:
+        """After :data:`STOP_WORKERS_AFTER_S` without a stop, stop the replica's workers: the trainer is blocked in a
+        call to them that the dead engine never answers (in a colocated run they are the learner's own, whose state
+        the run cannot go on with anyway; the last checkpoint is untouched, and a save cut short is not marked
+        latest by verl). The trainer's call then fails, and ``fit`` raises the watchdog's error."""
+        if self._stopped.wait(STOP_WORKERS_AFTER_S):
             return
-        logger.warning("gepo-plugin: the trainer did not stop at its next wait for rollouts; interrupting it")
-        while not self._stopped.is_set():
-            _thread.interrupt_main()  # the trainer's wait ends with KeyboardInterrupt; fit turns it into the error
-            self._stopped.wait(INTERRUPT_EVERY_S)
+        logger.warning(
+            "gepo-plugin: the trainer did not stop at its next wait for rollouts (blocked in a call to the dead "
+            "replica's workers); stopping those workers"
+        )
+        _kill(replica.workers, "a dead replica's worker")
 
     def confirm(self) -> None:
         """Probe every replica not yet lost once, now: an error reached the trainer before the monitor's next round
@@ -122,3 +115,11 @@ class RolloutWatchdog:
     def stop(self) -> None:
         self._stopped.set()
         self.monitor.stop()
+
+
+def _kill(actors: list[Any], what: str) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as error:  # already gone
+            logger.debug("gepo-plugin: kill of %s: %r", what, error)
