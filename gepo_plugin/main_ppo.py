@@ -63,7 +63,20 @@ def _run(config: DictConfig) -> None:
     from verl.trainer.main_ppo import main as verl_main  # lazy: verl's trainer stack, once the config is settled
 
     with _releasing_weight_buckets(config):
-        verl_main(config)  # Hydra's decorated main runs the task function directly when given a config
+        try:
+            verl_main(config)  # Hydra's decorated main runs the task function directly when given a config
+        except Exception as error:
+            # the cause, once, in this process's log: the trainer's own lines come through Ray's log monitor, which
+            # may not forward the last of them before this process exits
+            logger.error("gepo-plugin: the run stopped: %s", _root_cause(error))
+            raise
+
+
+def _root_cause(error: BaseException) -> str:
+    """``Type: first line`` of the error a Ray task raised (not Ray's wrapper with the remote traceback)."""
+    cause = getattr(error, "cause", None) or error
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
 
 
 def _releasing_weight_buckets(config: DictConfig) -> contextlib.AbstractContextManager:

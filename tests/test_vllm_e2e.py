@@ -225,14 +225,19 @@ def test_sync_gepo_with_vllm_trains_checkpoints_resumes_and_agrees_with_the_lear
 
 
 STOP_LINE = re.compile(r"ERROR:(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}):gepo-plugin: the run stops")
+#: the launcher's line (Hydra's log format) once verl's run has raised, in the driver's own process
+DRIVER_STOP_LINE = re.compile(
+    r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[gepo_plugin\]\[ERROR\] - "
+    r"gepo-plugin: the run stopped: RolloutReplicaLost"
+)
 
 
 def stopped_at(text: str) -> float:
-    """The wall time (``time.time()``) the trainer logged that the run stops (verl's log format, this machine's
-    clock)."""
-    found = STOP_LINE.search(text)
+    """The wall time (``time.time()``, this machine's clock) the run stopped: the trainer's line, or the launcher's
+    when Ray's log monitor did not forward the trainer's before the driver exited (the earlier of the two)."""
+    found = [match.group(1) for pattern in (STOP_LINE, DRIVER_STOP_LINE) if (match := pattern.search(text))]
     assert found, text[-5000:]
-    return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return min(datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp() for stamp in found)
 
 
 @needs_gpus(1)
