@@ -30,10 +30,9 @@ import logging
 import threading
 from typing import Any
 
-import ray
-
 from gepo_plugin.hetero.settings import HealthConfig
 from gepo_plugin.verl_glue.hetero.health import HealthMonitor, probe
+from gepo_plugin.verl_glue.hetero.replicas import kill_actors
 
 logger = logging.getLogger(__name__)
 #: Seconds a confirming probe (:meth:`RolloutWatchdog.confirm`) waits for each replica's answer.
@@ -72,7 +71,7 @@ class RolloutWatchdog:
             f"{detect_s:.1f} s: {cause}"
         )
         logger.error("gepo-plugin: %s; stopping its servers so the requests waiting on it fail", self.lost[index])
-        _kill(replica.servers, "a dead rollout server")
+        kill_actors(replica.servers, "a dead rollout server")
         threading.Thread(
             target=self._stop_workers_if_blocked, args=(replica,), name="rollout-watchdog-stop", daemon=True
         ).start()
@@ -88,7 +87,7 @@ class RolloutWatchdog:
             "gepo-plugin: the trainer did not stop at its next wait for rollouts (blocked in a call to the dead "
             "replica's workers); stopping those workers"
         )
-        _kill(replica.workers, "a dead replica's worker")
+        kill_actors(replica.workers, "a dead replica's worker")
 
     def confirm(self) -> None:
         """Probe every replica not yet lost once, now: an error reached the trainer before the monitor's next round
@@ -115,11 +114,3 @@ class RolloutWatchdog:
     def stop(self) -> None:
         self._stopped.set()
         self.monitor.stop()
-
-
-def _kill(actors: list[Any], what: str) -> None:
-    for actor in actors:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception as error:  # already gone
-            logger.debug("gepo-plugin: kill of %s: %r", what, error)

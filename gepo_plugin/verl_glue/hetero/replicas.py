@@ -13,11 +13,16 @@ logger = logging.getLogger(__name__)
 
 def fence(replica: Any) -> None:
     """Kill a lost replica's Ray actors (servers and rollout workers): calls pinned to it fail at once."""
-    for handle in [*replica.servers, *replica.workers]:
+    kill_actors([*replica.servers, *replica.workers], "a lost replica's actor")
+
+
+def kill_actors(handles: list[Any], what: str) -> None:
+    """Kill each actor for good (no restart); one already gone is skipped (``what`` names them in the debug log)."""
+    for handle in handles:
         try:
             ray.kill(handle, no_restart=True)
         except Exception as error:  # already gone
-            logger.debug("hetero: kill of a lost replica's actor: %r", error)
+            logger.debug("gepo-plugin: kill of %s: %r", what, error)
 
 
 def forget_replica(manager: Any, replica: Any) -> None:
