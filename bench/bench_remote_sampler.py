@@ -86,9 +86,9 @@ def run(args) -> dict:
         )
         try:
 
-            def held():
+            def held() -> int | None:
                 status = ray.get(proxy.report.remote())["status"]
-                return status is not None and status["version"]
+                return None if status is None else status["version"]
 
             wait_for(lambda: held() == 0, "the host installing version 0", 900)
             engine_url = f"http://127.0.0.1:{vllm_port}"
