@@ -118,7 +118,7 @@ def test_a_remote_sampler_generates_with_the_version_it_names_and_follows_the_le
     monkeypatch.setenv("GEPO_TEST_SIGNING_KEY", private)
     prompt = [5, 9, 12, 7, 3]
     with s3_server() as (url, options):
-        hetero = settings(url, options, public, free_port())
+        hetero = settings(url, options, public, free_port(), poll_wait_s=2.0)
         relay = hetero.relay
         publisher = RelayPublisher(open_store(relay), RUN, relay, signer=Signer(private))
         base = weights_of(tiny)
@@ -150,11 +150,13 @@ def test_a_remote_sampler_generates_with_the_version_it_names_and_follows_the_le
             old_gap = (torch.tensor(out.log_probs) - reference_logprobs(tiny, base, prompt, out.token_ids)).abs()
             assert new_gap.max() < FP32_GAP < old_gap.max(), (new_gap.max(), old_gap.max())
 
-            # killed: the proxy calls it dead within the gateway's timeout (what the health monitor reads)
+            # killed: the proxy calls it dead (what the health monitor reads) once it has been silent for the
+            # gateway's timeout after its last call, a long poll it may have held until poll_wait_s
             stop(host, timeout_s=1)
             started = time.monotonic()
             wait_for(lambda: held_version(remote) is None or _dead(remote), "the sampler declared dead", 30)
-            assert time.monotonic() - started <= hetero.config.gateway.sampler_timeout_s + 2
+            gateway = hetero.config.gateway
+            assert time.monotonic() - started <= gateway.poll_wait_s + gateway.sampler_timeout_s + 2
         finally:
             stop(host)
             publisher.close()
