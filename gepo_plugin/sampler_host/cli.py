@@ -17,13 +17,13 @@ import signal
 import sys
 from pathlib import Path
 
-from gepo_plugin.hetero.remote.settings import MIN_TOKEN_CHARS, NAME_PATTERN, is_valid_name
+from gepo_plugin.hetero.remote.settings import MIN_TOKEN_CHARS, NAME_RULE, is_valid_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway", required=True, help="the learner's gateway, e.g. https://learner.example:8471")
     parser.add_argument(
-        "--name", required=True, help=f"this sampler's name, as in hetero.remote_samplers ({NAME_PATTERN})"
+        "--name", required=True, help=f"this sampler's name, as in hetero.remote_samplers ({NAME_RULE})"
     )
     parser.add_argument(
         "--token-env",
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check(args: argparse.Namespace) -> tuple[str, dict]:
     """Every option checked before anything starts; returns the token and the storage options."""
     if not is_valid_name(args.name):
-        raise SystemExit(f"gepo-sampler: --name {args.name!r}: use letters, digits, '_', '.', '-' ({NAME_PATTERN})")
+        raise SystemExit(f"gepo-sampler: --name {args.name!r}: use {NAME_RULE}")
     if not args.gateway.startswith(("https://", "http://")):
         raise SystemExit(f"gepo-sampler: --gateway {args.gateway!r}: an http(s):// URL")
     token = os.environ.get(args.token_env, "")

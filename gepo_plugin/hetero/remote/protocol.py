@@ -34,6 +34,7 @@ NON_FINITE = "non_finite_logprob"
 POSITIVE = "positive_logprob"
 OUT_OF_VOCAB = "token_out_of_vocab"
 MALFORMED = "malformed"
+#: every reason a result is refused for (the metrics ``hetero/remote/<name>/refused/<reason>``)
 REFUSAL_REASONS = (
     UNKNOWN_REQUEST,
     VERSION_UNPUBLISHED,

@@ -16,6 +16,8 @@ from gepo_plugin.options import STRICT_BLOCK
 
 #: What a sampler's name may be: it appears in URLs, metric names and logs.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+#: :data:`NAME_PATTERN` in words, for messages and ``--help``
+NAME_RULE = "letters, digits, '_', '.' and '-', starting with a letter or digit, at most 63 characters"
 #: The smallest token accepted: a guessable token is no authentication.
 MIN_TOKEN_CHARS = 16
 
