@@ -1,4 +1,4 @@
-"""``python -m gepo_plugin <command>``: doctor, demo, presets."""
+"""``python -m gepo_plugin <command>``: doctor, demo, presets, sampler, keygen."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from gepo_plugin import doctor
+from gepo_plugin.sampler_host import cli as sampler_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +37,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--micro-batches", type=int, default=4, help="micro-batches the shuffled rows are split into (default 4)"
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed of the synthetic batch (default 0)")
+    sampler_cli.add_arguments(
+        sub.add_parser(
+            "sampler",
+            help="run a sampler outside the learner's cluster: vLLM on this machine, joined to a run by URL (no Ray)",
+            description=sampler_cli.__doc__.split("\n\n")[1],
+        )
+    )
+    sub.add_parser(
+        "keygen",
+        help="print a new Ed25519 key pair for hetero.relay.signing_key_env / hetero.relay.public_key",
+        description="Print a new Ed25519 key pair (base64 of the raw keys): keep the private key in an environment "
+        "variable on the learner's node only (hetero.relay.signing_key_env names it), give the public key to "
+        "hetero.relay.public_key and to every sampler host (--public-key).",
+    )
     sub.add_parser(
         "presets",
         help="list the algorithm.loss names and the verl settings each one applies",
@@ -66,6 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         return run(prompts=args.prompts, responses=args.responses, micro_batches=args.micro_batches, seed=args.seed)
     if args.command == "presets":
         return print_presets()
+    if args.command == "sampler":
+        return sampler_cli.run(args)
+    if args.command == "keygen":
+        from gepo_plugin.hetero.relay.signing import generate_pair  # lazy: cryptography, for this command only
+
+        private, public = generate_pair()
+        print(f"private key (learner's node only, e.g. export GEPO_RELAY_SIGNING_KEY=...): {private}")
+        print(f"public key (hetero.relay.public_key, and --public-key of every sampler host): {public}")
+        return 0
     raise AssertionError(args.command)
 
 

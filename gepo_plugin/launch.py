@@ -52,6 +52,7 @@ from gepo_plugin.names import GEPO_TRAINER_FOR_MODE, RELAY_CHECKPOINT_ENGINE, TR
 from gepo_plugin.patching import require_patches
 from gepo_plugin.verl_glue import replay_wait, seam
 from gepo_plugin.verl_glue.hetero.relay_checks import check_relay_store
+from gepo_plugin.verl_glue.hetero.remote.checks import check_remote_samplers
 from gepo_plugin.verl_glue.hetero.wiring import apply_hetero
 from gepo_plugin.verl_glue.presets import apply_loss_preset, apply_settings
 from gepo_plugin.verl_glue.trainer_mode import settle_trainer_mode
@@ -279,6 +280,7 @@ def check_before_start(config: DictConfig, hetero: HeteroSettings, inspecting: b
     from verl.utils.config import validate_config
 
     warnings = check_paths(config, inspecting) + check_relay_store(hetero, inspecting)
+    warnings += check_remote_samplers(hetero, inspecting)
     features = features_needed(config)
     require_patches(features)  # first: checking the seam imports verl's modules, whose import applies patches
     seam.require(*features)

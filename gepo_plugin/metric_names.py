@@ -21,6 +21,7 @@ HETERO = "hetero/"
 LAG = HETERO + "lag/"
 RELAY = HETERO + "relay/"
 RELAY_SAMPLERS = RELAY + "samplers/"
+REMOTE = HETERO + "remote/"
 FRESH_GAP = "rollout/fresh_logprob_gap/"
 #: Every key under these is the plugin's, and must be in :data:`METRICS`.
 NAMESPACES: tuple[str, ...] = (GEPO_LOSS, GEPO_GROUPS, HETERO, FRESH_GAP)
@@ -168,6 +169,18 @@ METRICS: tuple[Metric, ...] = (
     # the relay: the learner's counters, and the samplers' summed over replicas
     *(Metric(RELAY + name, f"learner: {meaning}") for name, meaning in RELAY_COUNTERS.items()),
     *(Metric(RELAY_SAMPLERS + name, f"samplers, summed: {meaning}") for name, meaning in RELAY_COUNTERS.items()),
+    # samplers outside the cluster (hetero.remote_samplers), per sampler name
+    Metric(REMOTE + "{sampler}/requests", "generation requests the learner gave the sampler so far"),
+    Metric(REMOTE + "{sampler}/results", "results it answered that were accepted"),
+    Metric(REMOTE + "{sampler}/tokens", "tokens of those results"),
+    Metric(REMOTE + "{sampler}/timed_out", "requests it did not answer within hetero.gateway.request_timeout_s"),
+    Metric(REMOTE + "{sampler}/failed", "requests its engine could not generate (each fails its group)"),
+    Metric(REMOTE + "{sampler}/refused/{reason}", "results refused, by reason (nothing of them is trained)"),
+    Metric(REMOTE + "{sampler}/version", "the weight version it reports holding"),
+    Metric(REMOTE + "{sampler}/silent_s", "seconds since it was last heard from"),
+    Metric(REMOTE + "{sampler}/unauthorised", "calls in its name with a wrong or missing token (refused)"),
+    Metric(REMOTE + "{sampler}/malformed", "calls in its name whose body was not a valid message (refused)"),
+    Metric(REMOTE + "unknown_sampler", "calls for a sampler name hetero.remote_samplers does not list (refused)"),
 )
 
 

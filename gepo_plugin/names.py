@@ -18,6 +18,10 @@ RELAY_CHECKPOINT_ENGINE = "relay"
 RELAY_ENGINE_MODULE = "gepo_plugin.verl_glue.hetero.relay_engine"
 #: ``actor_rollout_ref.rollout.name`` of verl's vLLM rollout.
 VLLM_ROLLOUT = "vllm"
+#: The CPU backend's verl platform (``trainer.device=cpu``, ``VERL_PLATFORM=cpu``) and its transformers rollout's name
+#: (named here, below the glue and the backend, which both read them).
+CPU_PLATFORM = "cpu"
+CPU_ROLLOUT = "hf"
 
 
 def verl_version_supported(version: str) -> bool:

@@ -78,6 +78,25 @@ LAUNCHES: dict[str, tuple[dict[str, str], dict]] = {
             "relay": "s3://gepo-bucket/runs",
         },
     ),
+    "remote/run_qwen3_1.7b_gepo_math_remote.sh": (
+        {
+            "LEARNER_NODES": "1",
+            "SAMPLER_NODES": "1",
+            "RELAY_URL": "s3://gepo-bucket/runs",
+            "REMOTE_SAMPLERS": "dc-west:GEPO_SAMPLER_DC_WEST,dc-east:GEPO_SAMPLER_DC_EAST",
+            "RELAY_PUBLIC_KEY": "0f6b7be6c88e661934d40dbc6f4408449ca50e6bc9d86551cb16ed783de8cefb",
+        },
+        {
+            "mode": "separate_async",
+            "learner": (1, 8),
+            "samplers": (1, 8),
+            "hetero": True,
+            "sampler_groups": [8],
+            "sampler_kl_coef": 0.005,
+            "relay": "s3://gepo-bucket/runs",
+            "remote": ["dc-west", "dc-east"],
+        },
+    ),
     "sync/run_qwen3_1.7b_gepo_math_sync.sh": (
         {},
         {"mode": "sync", "learner": (1, 8), "hetero": False, "sampler_kl_coef": 0.0},
@@ -299,6 +318,10 @@ def check_intent(config, expect: dict, *, prepared: bool) -> None:
             assert get("hetero.delay.distribution") == "lognormal"
             delay = (get("hetero.delay.low"), get("hetero.delay.high"), get("hetero.delay.confidence"))
             assert delay == (60, 1920, 0.995)
+        remote = [entry["name"] for entry in (get("hetero.remote_samplers") or [])]
+        assert remote == expect.get("remote", [])
+        if remote:  # signed manifests: the samplers outside the cluster verify with the public key alone
+            assert get("hetero.relay.signing_key_env") == "GEPO_RELAY_SIGNING_KEY" and get("hetero.relay.public_key")
         groups = get("hetero.sampler_groups")
         assert (None if groups is None else list(groups)) == expect["sampler_groups"]
         if groups is not None:  # one entry per sampler group; all standalone replicas are covered
@@ -495,3 +518,33 @@ def test_lab_sensitivity_sweep_runs_valid_lab_commands_one_change_each():
         ["bash", str(EXAMPLES / "lab/sensitivity.sh"), "no_such_variant"], capture_output=True, text=True, env=env
     )
     assert unknown.returncode == 2 and "unknown variant" in unknown.stderr
+
+
+def test_the_sampler_host_script_prints_a_command_its_parser_takes(tmp_path):
+    """examples/remote/sampler_host.sh: the command a remote machine runs, parsed by the host's own parser."""
+    from gepo_plugin.sampler_host.cli import build_parser
+
+    env = script_env(
+        tmp_path,
+        {
+            "GATEWAY_URL": "https://learner.example.org:8471",
+            "SAMPLER_NAME": "dc-west",
+            "RELAY_PUBLIC_KEY": "ab" * 32,
+            "CA_CERT": "/etc/gepo/ca.pem",
+        },
+    )
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "remote/sampler_host.sh"), "--poll-s", "2"], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    words = shlex.split(result.stdout)
+    assert words[1:4] == ["-m", "gepo_plugin", "sampler"]
+    args = build_parser().parse_args(words[4:])
+    assert (args.gateway, args.name, args.public_key) == ("https://learner.example.org:8471", "dc-west", "ab" * 32)
+    assert (args.ca_cert, args.poll_s, args.model, args.dtype) == (
+        "/etc/gepo/ca.pem",
+        2.0,
+        "Qwen/Qwen3-1.7B",
+        "bfloat16",
+    )
+    assert args.storage_options == "{}"

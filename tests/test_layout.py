@@ -34,6 +34,7 @@ TOOLS = (
     "gepo_plugin.synthetic",
     "gepo_plugin.demo",
     "gepo_plugin.options_cli",
+    "gepo_plugin.sampler_host",
 )
 #: The application layer: entry point, launcher, CLIs.
 APP = (

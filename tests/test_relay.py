@@ -23,6 +23,7 @@ from gepo_plugin.hetero.relay.publisher import (
 )
 from gepo_plugin.hetero.relay.puller import RelayIntegrityError, RelayPuller
 from gepo_plugin.hetero.relay.settings import RelayConfig
+from gepo_plugin.hetero.relay.signing import Signer, SigningKeyError, Verifier, generate_pair
 from gepo_plugin.hetero.relay.store import RelayStore, RelayStoreError
 
 SETTINGS = RelayConfig(keyframe_every=4, shard_mb=8 / 1024)
@@ -309,6 +310,47 @@ def test_manifests_of_another_run_or_without_a_valid_signature_are_refused(tmp_p
         tampered.verify("run-a", b"s3cret")
     raw.verify("run-a", b"s3cret")
     publisher.close()
+
+
+def test_samplers_verify_ed25519_signatures_with_the_public_key_alone(tmp_path: Path, caplog, monkeypatch) -> None:
+    """The learner signs with its private key; a sampler holding only the public key pulls what the learner
+    published and refuses an unsigned manifest, one signed by another key, a tampered one and another run's."""
+    private, public = generate_pair()
+    other_private, other_public = generate_pair()
+    store = make_store(tmp_path)
+    learner = Learner()
+    learner.step()
+    publisher = RelayPublisher(store, "run-a", SETTINGS, signer=Signer(private))
+    publisher.publish(1, learner.weights())
+    publisher.wait()
+    pulled = RelayPuller(store, "run-a", verifier=Verifier(public)).pull(None)
+    assert pulled.held.version == 1
+    for name, tensor in learner.weights().items():
+        assert torch.equal(pulled.held.weights.to_tensors()[name], tensor)
+    for puller in (
+        RelayPuller(store, "run-a", verifier=Verifier(other_public)),  # the learner's key is not this one
+        RelayPuller(store, "run-b", verifier=Verifier(public)),  # another run
+    ):
+        assert puller.pull(None) is None and puller.counters.get("manifests_refused") >= 1
+    raw = Manifest.from_json((tmp_path / "store" / manifest_key(1, publisher.lineage)).read_text())
+    raw.verify("run-a", None, Verifier(public))
+    with pytest.raises(Exception, match="no Ed25519 signature"):
+        Manifest(**{**raw.__dict__, "ed25519": None}).verify("run-a", None, Verifier(public))
+    with pytest.raises(Exception, match="does not verify with the learner's public key"):
+        Manifest(**{**raw.__dict__, "version": 2}).verify("run-a", None, Verifier(public))
+    forged = Manifest(**{**raw.__dict__, "ed25519": None}).signed(None, Signer(other_private))
+    with pytest.raises(Exception, match="does not verify"):
+        forged.verify("run-a", None, Verifier(public))
+    publisher.close()
+    # the config: a signing key must be the public key's, and is read from the environment only
+    monkeypatch.setenv("GEPO_TEST_SIGNING_KEY", private)
+    assert RelayConfig(signing_key_env="GEPO_TEST_SIGNING_KEY", public_key=public).signer().public_key == public
+    with pytest.raises(SigningKeyError, match=r"is not the private key of hetero\.relay\.public_key"):
+        RelayConfig(signing_key_env="GEPO_TEST_SIGNING_KEY", public_key=other_public).signer()
+    with pytest.raises(ValueError, match=r"needs hetero\.relay\.public_key"):
+        RelayConfig(signing_key_env="GEPO_TEST_SIGNING_KEY")
+    with pytest.raises(ValueError, match=r"hetero\.relay\.public_key: the public key holds 3 bytes"):
+        RelayConfig(public_key="616263")
 
 
 # --- retention and resume ---------------------------------------------------------------------------------------

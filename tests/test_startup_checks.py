@@ -27,6 +27,14 @@ HETERO = [*ASYNC, "hetero.enable=true"]
 #: HeteroRL with the weight relay (its own checkpoint engine); the store URL of a check that fails before the probe
 RELAY = [*ASYNC[:4], *ASYNC[5:], "hetero.enable=true", "hetero.transport=relay"]
 NOT_PROBED = "hetero.relay.url=/nonexistent/relay"
+#: the relay with a key pair, as remote samplers need it (the store is not probed: its checks come first)
+PUBLIC_KEY = "f29ccee11d3801e0f24e88fe1f9f330f82a63d1e0a675ec62706c83d3ab8fd6b"
+REMOTE = [
+    *RELAY,
+    NOT_PROBED,
+    "hetero.relay.signing_key_env=GEPO_TEST_SIGNING_KEY",
+    f"hetero.relay.public_key={PUBLIC_KEY}",
+]
 
 # (name, mistake overrides, text the message must contain)
 MISTAKES = [
@@ -54,6 +62,37 @@ MISTAKES = [
         "algorithm.loss=gepo sets actor_rollout_ref.actor.policy_loss.loss_mode=gepo",
     ),
     ("device typo", ["trainer.device=cpuu"], "trainer.device='cpuu'"),
+    ("rollout name typo", ["trainer.device=cpu", "actor_rollout_ref.rollout.name=vlm"], "did you mean 'vllm'"),
+    ("rollout without a CPU build", ["trainer.device=cpu", "actor_rollout_ref.rollout.name=sglang"], "no CPU build"),
+    ("rollout boolean given a string", ["actor_rollout_ref.rollout.enforce_eager=maybe"], "enforce_eager='maybe'"),
+    ("context shorter than prompt + response", ["actor_rollout_ref.rollout.max_model_len=8"], "max_model_len=8 is"),
+    ("unknown rollout dtype", ["actor_rollout_ref.rollout.dtype=float8"], "dtype='float8'"),
+    (
+        "tensor parallel on a CPU vLLM",
+        [
+            "trainer.device=cpu",
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        ],
+        "tensor_model_parallel_size=2",
+    ),
+    (
+        "remote samplers without the relay",
+        [*HETERO, "hetero.remote_samplers=[{name:far,token_env:GEPO_T}]"],
+        "hetero.remote_samplers follow the weight relay",
+    ),
+    (
+        "remote samplers without a key pair",
+        [*RELAY, NOT_PROBED, "hetero.remote_samplers=[{name:far,token_env:GEPO_T}]"],
+        "set hetero.relay.signing_key_env and hetero.relay.public_key",
+    ),
+    (
+        "a remote sampler named twice",
+        [*REMOTE, "hetero.remote_samplers=[{name:far,token_env:GEPO_T},{name:far,token_env:GEPO_U}]"],
+        "names ['far'] more than once",
+    ),
+    ("a remote sampler's bad name", [*REMOTE, "hetero.remote_samplers=[{name:'a b',token_env:GEPO_T}]"], "name"),
+    ("a public key that is no key", [*RELAY, NOT_PROBED, "hetero.relay.public_key=abc"], "not hexadecimal"),
     (
         "paced-poll switch read as a boolean",
         ["+ray_kwargs.ray_init.runtime_env.env_vars.GEPO_PACED_REPLAY_POLL=yes"],
@@ -218,3 +257,44 @@ def test_printing_a_config_with_files_missing_here_warns_and_a_run_refuses(
         launch([*valid, missing], monkeypatch)
     err = capsys.readouterr().err
     assert stop.value.code == main_ppo.CONFIG_ERROR_EXIT and key in err, err
+
+
+def test_remote_samplers_need_their_tokens_the_key_and_a_free_port_on_this_node(
+    valid, monkeypatch, capsys, tmp_path, caplog
+):
+    """What only the learner's node can tell: a run refuses at once, naming the key; --cfg job warns."""
+    import socket
+
+    from gepo_plugin.hetero.relay.signing import generate_pair
+
+    private, public = generate_pair()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        remote = [
+            *RELAY,
+            f"hetero.relay.url={tmp_path / 'relay'}",
+            "hetero.relay.signing_key_env=GEPO_TEST_SIGNING_KEY",
+            f"hetero.relay.public_key={public}",
+            "hetero.remote_samplers=[{name:far,token_env:GEPO_TEST_FAR_TOKEN}]",
+            "hetero.gateway.host=127.0.0.1",
+            f"hetero.gateway.port={port}",
+        ]
+        monkeypatch.delenv("GEPO_TEST_FAR_TOKEN", raising=False)
+        monkeypatch.setenv("GEPO_TEST_SIGNING_KEY", generate_pair()[0])  # not the public key's
+        with pytest.raises(SystemExit) as stop:
+            launch([*valid, *remote], monkeypatch)
+        err = capsys.readouterr().err
+        assert stop.value.code == main_ppo.CONFIG_ERROR_EXIT, err
+        assert "GEPO_TEST_FAR_TOKEN is not set" in err and "is not the private key" in err, err
+        assert f"cannot listen on 127.0.0.1:{port}" in err, err
+        with pytest.raises(SystemExit) as stop:  # printing only: the same three as warnings
+            launch([*valid, *remote, "--cfg", "job"], monkeypatch)
+        assert stop.value.code == 0, capsys.readouterr().err
+        assert "GEPO_TEST_FAR_TOKEN is not set" in caplog.text
+    monkeypatch.setenv("GEPO_TEST_FAR_TOKEN", "t" * 32)
+    monkeypatch.setenv("GEPO_TEST_SIGNING_KEY", private)
+    with pytest.raises(SystemExit) as stop:  # all set, the port free again: the run would start
+        launch([*valid, *remote], monkeypatch)
+    assert stop.value.code == 0, capsys.readouterr().err

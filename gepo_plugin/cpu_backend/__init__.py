@@ -8,10 +8,10 @@ replicas). Nothing heavy is imported here, so ``import gepo_plugin`` stays cheap
 
 import os
 
-#: verl platform name of the backend (``VERL_PLATFORM=cpu`` selects it in a process).
-CPU_PLATFORM = "cpu"
-#: ``actor_rollout_ref.rollout.name`` of the transformers rollout.
-ROLLOUT_NAME = "hf"
+from gepo_plugin.names import CPU_PLATFORM
+from gepo_plugin.names import CPU_ROLLOUT as ROLLOUT_NAME
+
+__all__ = ["CPU_PLATFORM", "ROLLOUT_NAME", "cpu_platform_selected"]
 
 
 def cpu_platform_selected() -> bool:

@@ -19,6 +19,7 @@ from gepo_plugin import config_keys
 from gepo_plugin.hetero.delays import DelayConfig, DelayModel
 from gepo_plugin.hetero.guard import GuardConfig, check_guard
 from gepo_plugin.hetero.relay.settings import RelayConfig
+from gepo_plugin.hetero.remote.settings import GatewayConfig, RemoteSamplerConfig, duplicate_names
 from gepo_plugin.hetero.staleness import (
     DEFAULT_ADMISSION_MARGIN,
     DEFAULT_MAX_LAG,
@@ -138,6 +139,16 @@ class HeteroConfig(BaseModel):
     relay: RelayConfig = Field(
         default_factory=RelayConfig, description="the weight relay (hetero.relay.*), used with hetero.transport=relay"
     )
+    remote_samplers: list[RemoteSamplerConfig] = Field(
+        default_factory=list,
+        description="samplers outside the learner's Ray cluster (a vLLM server anywhere, behind NAT too): each runs "
+        "`python -m gepo_plugin sampler`, follows the relay and dials hetero.gateway; one sampler group per group "
+        "label, after the in-cluster groups. Needs hetero.transport=relay with an Ed25519 key pair",
+    )
+    gateway: GatewayConfig = Field(
+        default_factory=GatewayConfig,
+        description="the endpoint remote samplers dial (hetero.gateway.*), on the node of verl's TaskRunner",
+    )
 
     @model_validator(mode="after")
     def _coherent(self) -> HeteroConfig:
@@ -150,6 +161,8 @@ class HeteroConfig(BaseModel):
         check_guard(self.guard, self.policy())
         if self.transport == "relay":
             self._check_relay()
+        if self.remote_samplers:
+            self._check_remote()
         if self.sampler_groups is not None:  # else the group count is known only with the replicas (group_sizes)
             self.check_per_group(len(self.sampler_groups))
         return self
@@ -175,6 +188,26 @@ class HeteroConfig(BaseModel):
                 "hetero.transport=relay moves real weights, so their delay is real: remove hetero.delay and "
                 "hetero.group_delays (rehearse a slow link with hetero.relay.links instead)"
             )
+
+    def _check_remote(self) -> None:
+        if self.transport != RELAY_TRANSPORT:
+            raise ValueError(
+                "hetero.remote_samplers follow the weight relay: set hetero.transport=relay and hetero.relay.url (a "
+                "store the samplers' hosts can read)"
+            )
+        if self.relay.signing_key_env is None:
+            raise ValueError(
+                "hetero.remote_samplers verify the weights with the learner's public key and are never given a "
+                "shared secret: set hetero.relay.signing_key_env and hetero.relay.public_key (`python -m gepo_plugin "
+                "keygen` prints a pair)"
+            )
+        repeated = duplicate_names(self.remote_samplers)
+        if repeated:
+            raise ValueError(f"hetero.remote_samplers names {repeated} more than once; give each sampler its own name")
+
+    def remote_groups(self) -> list[str]:
+        """The remote samplers' group labels, in the order they first appear (groups after the in-cluster ones)."""
+        return list(dict.fromkeys(sampler.group_label for sampler in self.remote_samplers))
 
     def policy(self) -> StalenessPolicy:
         return StalenessPolicy(

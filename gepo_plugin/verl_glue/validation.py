@@ -60,6 +60,7 @@ from gepo_plugin.maths.options import GEPO_PLUS_FIELDS, BNPOOptions, DeltaLOptio
 from gepo_plugin.names import GEPO_TRAINER_FOR_MODE, POLICY_LOSSES, TRAINERS, VERL_TRAINER_MODES
 from gepo_plugin.options import did_you_mean, parse_options
 from gepo_plugin.verl_glue.errors import PluginConfigError
+from gepo_plugin.verl_glue.rollout_checks import check_rollout
 
 __all__ = ["PluginConfigError", "validate_plugin_config"]
 
@@ -283,6 +284,7 @@ def validate_plugin_config(config: DictConfig, hetero: HeteroSettings, explicit:
     check_booleans(config)
     check_numbers(config)
     check_names(config)
+    check_rollout(config)
     _check_clip_range(config)
     _check_standalone_rollout(config)
     _check_separate_async(config)

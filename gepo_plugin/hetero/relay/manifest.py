@@ -6,8 +6,8 @@ every K-th carry a ``full`` part (a keyframe) as well, so a sampler following th
 and a new or far-behind one never replays a long chain. A delta applies only to weights of its ``lineage`` (one
 publisher's life): after a resume, versions are numbered again from the checkpoint, and a sampler still holding the
 abandoned future must take a keyframe instead of a delta that would silently give it wrong weights. A sampler
-checks the run id, and with a shared secret the HMAC-SHA256 over the manifest's canonical JSON, before it reads a
-shard.
+checks the run id, and with a shared secret the HMAC-SHA256 over the manifest's canonical JSON, with the learner's
+public key its Ed25519 signature (:mod:`gepo_plugin.hetero.relay.signing`), before it reads a shard.
 
 Every manifest also carries a digest (xxHash3, 128 bits) of each tensor's bits in the version's full weights: a
 sampler checks the weights it is about to install against them, so a codec or apply bug, or a shard that is
@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from gepo_plugin.hetero.relay.codec import TensorSpec
+from gepo_plugin.hetero.relay.signing import Signer, Verifier
 
 FORMAT = 2
 Part = Literal["full", "delta"]
@@ -90,6 +91,8 @@ class Manifest:
     #: shard addresses this publication wrote again because a sampler found them corrupt
     rewritten: tuple[str, ...] = ()
     signature: str | None = field(default=None, compare=False)
+    #: Ed25519 signature (base64) by the learner's signing key, verified with its public key (:mod:`.signing`)
+    ed25519: str | None = field(default=None, compare=False)
 
     def part(self, which: Part) -> tuple[Shard, ...] | None:
         return self.full if which == "full" else self.delta
@@ -132,26 +135,38 @@ class Manifest:
                 digests={str(n): str(d) for n, d in raw["digests"].items()},
                 rewritten=tuple(str(a) for a in raw["rewritten"]),
                 signature=raw["signature"],
+                ed25519=raw.get("ed25519"),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ManifestFormatError(f"a field is missing or malformed ({type(error).__name__}: {error})") from None
 
-    def signed(self, secret: bytes | None) -> Manifest:
-        """This manifest with its HMAC-SHA256 (unchanged without a secret)."""
-        if secret is None:
-            return self
-        return Manifest(**{**self.__dict__, "signature": _mac(self, secret)})
+    def signed(self, secret: bytes | None, signer: Signer | None = None) -> Manifest:
+        """This manifest with its HMAC-SHA256 (with a secret) and its Ed25519 signature (with a signer)."""
+        changes = {}
+        if secret is not None:
+            changes["signature"] = _mac(self, secret)
+        if signer is not None:
+            changes["ed25519"] = signer.sign(_canonical(self))
+        return Manifest(**{**self.__dict__, **changes}) if changes else self
 
-    def verify(self, run_id: str, secret: bytes | None) -> None:
-        """Refuse a manifest of another run, or (with a secret) one whose signature is missing or wrong."""
+    def verify(self, run_id: str, secret: bytes | None, verifier: Verifier | None = None) -> None:
+        """Refuse a manifest of another run, or one whose HMAC (with a secret) or Ed25519 signature (with a verifier)
+        is missing or wrong."""
         if self.run_id != run_id:
             raise RelayAuthError(f"weight version {self.version} belongs to run {self.run_id!r}, not {run_id!r}")
-        if secret is None:
-            return
-        if self.signature is None:
-            raise RelayAuthError(f"weight version {self.version} is not signed, and hetero.relay has a secret")
-        if not hmac.compare_digest(self.signature, _mac(self, secret)):
-            raise RelayAuthError(f"weight version {self.version}: its signature does not verify with this secret")
+        if secret is not None:
+            if self.signature is None:
+                raise RelayAuthError(f"weight version {self.version} is not signed, and hetero.relay has a secret")
+            if not hmac.compare_digest(self.signature, _mac(self, secret)):
+                raise RelayAuthError(f"weight version {self.version}: its signature does not verify with this secret")
+        if verifier is not None:
+            if self.ed25519 is None:
+                raise RelayAuthError(f"weight version {self.version} has no Ed25519 signature, and one is required")
+            if not verifier.verify(_canonical(self), self.ed25519):
+                raise RelayAuthError(
+                    f"weight version {self.version}: its Ed25519 signature does not verify with the learner's public "
+                    f"key {verifier.public_key}"
+                )
 
 
 def _plain(manifest: Manifest, with_signature: bool = True) -> dict[str, Any]:
@@ -160,9 +175,14 @@ def _plain(manifest: Manifest, with_signature: bool = True) -> dict[str, Any]:
     out["specs"] = {n: {"dtype": s.dtype, "shape": list(s.shape)} for n, s in manifest.specs.items()}
     if not with_signature:
         out.pop("signature")
+        out.pop("ed25519")
     return out
 
 
+def _canonical(manifest: Manifest) -> bytes:
+    """What both signatures cover: the manifest's JSON without its signatures, keys sorted."""
+    return json.dumps(_plain(manifest, with_signature=False), sort_keys=True).encode()
+
+
 def _mac(manifest: Manifest, secret: bytes) -> str:
-    canonical = json.dumps(_plain(manifest, with_signature=False), sort_keys=True).encode()
-    return hmac.new(secret, canonical, hashlib.sha256).hexdigest()
+    return hmac.new(secret, _canonical(manifest), hashlib.sha256).hexdigest()

@@ -54,6 +54,7 @@ from gepo_plugin.hetero.relay.manifest import (
     shard_key,
 )
 from gepo_plugin.hetero.relay.settings import RelayConfig
+from gepo_plugin.hetero.relay.signing import Signer
 from gepo_plugin.hetero.relay.store import RelayStore, RelayStoreError, pieces_nbytes
 
 logger = logging.getLogger(__name__)
@@ -72,8 +73,11 @@ class RelayPublisher:
         secret: bytes | None = None,
         resume_from: int | None = None,
         clock=time.monotonic,
+        signer: Signer | None = None,
     ) -> None:
         self.store, self.run_id, self.settings, self.secret = store, run_id, settings, secret
+        #: signs every manifest with the learner's Ed25519 key (samplers verify with the public key only)
+        self.signer = signer
         self.counters = store.counters
         self.clock = clock
         self.lineage = uuid.uuid4().hex
@@ -381,7 +385,7 @@ class RelayPublisher:
     def _put_manifest(self, manifest: Manifest, name_lineage: str) -> None:
         """Sign and store a manifest as ``manifests/<version>-<name_lineage>.json`` (after its shards), and record
         it as the version's newest publication."""
-        signed = manifest.signed(self.secret)
+        signed = manifest.signed(self.secret, self.signer)
         key = manifest_key(manifest.version, name_lineage)
         self.store.put(key, signed.to_json().encode())
         self.published[manifest.version] = signed

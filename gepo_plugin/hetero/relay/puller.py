@@ -41,6 +41,7 @@ from gepo_plugin.hetero.relay.manifest import (
     parse_manifest_name,
     shard_key,
 )
+from gepo_plugin.hetero.relay.signing import Verifier
 from gepo_plugin.hetero.relay.store import RelayStore
 
 logger = logging.getLogger(__name__)
@@ -90,8 +91,11 @@ class RelayPuller:
         secret: bytes | None = None,
         link: Link | None = None,
         fetch_attempts: int = 3,
+        verifier: Verifier | None = None,
     ) -> None:
         self.store, self.run_id, self.secret = store, run_id, secret
+        #: the learner's public key: a manifest without a valid Ed25519 signature is refused
+        self.verifier = verifier
         self.link = link if link is not None else Link(LinkConfig())
         self.fetch_attempts = fetch_attempts
         self.counters = store.counters
@@ -112,7 +116,7 @@ class RelayPuller:
             key = manifest_key(version, lineage)
             try:
                 manifest = Manifest.from_json(self.store.get(key, self.link))
-                manifest.verify(self.run_id, self.secret)
+                manifest.verify(self.run_id, self.secret, self.verifier)
             except FileNotFoundError:
                 continue  # deleted by retention in the meantime
             except (RelayAuthError, ManifestFormatError) as error:

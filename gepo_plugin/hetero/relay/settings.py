@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel, Field, StrictInt, field_validator
+from pydantic import BaseModel, Field, StrictInt, field_validator, model_validator
 
 from gepo_plugin.hetero.relay.link import LinkConfig
+from gepo_plugin.hetero.relay.signing import Signer, SigningKeyError, Verifier
 from gepo_plugin.options import STRICT_BLOCK
 
 #: storage_options keys that carry credentials (refused: they would be printed and logged)
@@ -43,6 +44,17 @@ class RelayConfig(BaseModel):
         None,
         description="name of an environment variable (set on the learner's and every sampler's node) holding a "
         "shared secret: manifests are then HMAC-signed and a sampler refuses one it cannot verify",
+    )
+    signing_key_env: str | None = Field(
+        None,
+        description="name of an environment variable, set on the learner's node only, holding its Ed25519 private key "
+        "(hex; `python -m gepo_plugin keygen`): manifests are then signed, and samplers verify them with "
+        "public_key alone (remote samplers need this: they are never given a shared secret)",
+    )
+    public_key: str | None = Field(
+        None,
+        description="the Ed25519 public key (hex) of signing_key_env: every sampler refuses a manifest without a "
+        "valid signature by it; needed with signing_key_env",
     )
     keyframe_every: StrictInt = Field(
         10, ge=1, description="a full keyframe every this many versions (the others are exact sparse deltas only)"
@@ -86,6 +98,38 @@ class RelayConfig(BaseModel):
 
         walk(options, "")
         return options
+
+    @model_validator(mode="after")
+    def _key_pair(self) -> RelayConfig:
+        if self.signing_key_env is not None and self.public_key is None:
+            raise ValueError(
+                "hetero.relay.signing_key_env needs hetero.relay.public_key (the samplers verify with it; "
+                "`python -m gepo_plugin keygen` prints a pair)"
+            )
+        if self.public_key is not None:
+            try:
+                Verifier(self.public_key)
+            except SigningKeyError as error:
+                raise ValueError(f"hetero.relay.public_key: {error}") from None
+        return self
+
+    def signer(self) -> Signer | None:
+        """The learner's signing key from the environment (None without ``signing_key_env``); it must match
+        ``public_key``."""
+        if self.signing_key_env is None:
+            return None
+        signer = Signer.from_env(self.signing_key_env)
+        if signer.public_key != self.public_key:
+            raise SigningKeyError(
+                f"hetero.relay.signing_key_env={self.signing_key_env!r}: the key it holds is not the private key of "
+                "hetero.relay.public_key "
+                f"({self.public_key}); its public key is {signer.public_key}"
+            )
+        return signer
+
+    def verifier(self) -> Verifier | None:
+        """What every sampler checks manifests with (None without ``public_key``)."""
+        return Verifier(self.public_key) if self.public_key is not None else None
 
     @property
     def shard_bytes(self) -> int:

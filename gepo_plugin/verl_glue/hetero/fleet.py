@@ -44,6 +44,7 @@ from gepo_plugin.hetero.sampler_versions import SamplerVersions
 from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.hetero.health import HealthMonitor, probe
+from gepo_plugin.verl_glue.hetero.remote.members import RemoteSamplers, is_remote
 from gepo_plugin.verl_glue.hetero.replacement import ReplacementStarter, launch
 from gepo_plugin.verl_glue.hetero.replicas import abandon, fence, forget_replica, release_resources
 from gepo_plugin.verl_glue.hetero.transport import WeightTransport
@@ -72,6 +73,7 @@ class SamplerFleet:
         staleness: Staleness,
         transport: Callable[[SamplerFleet], WeightTransport],
         server_manager: Any = None,
+        remote: RemoteSamplers | None = None,
     ) -> None:
         self.settings = settings
         self.staleness = staleness
@@ -80,7 +82,11 @@ class SamplerFleet:
         #: verl's standalone ``LLMServerManager``: its load balancer and replica lists follow the live samplers.
         self.server_manager = server_manager
         sizes = settings.group_sizes(len(base.replicas))
-        self.roster = SamplerRoster(sizes)
+        #: samplers outside the cluster: their groups follow the in-cluster ones and start empty; each sampler joins
+        #: (like a replacement) once it has dialled in and holds a version
+        self.remote = remote
+        remote_groups = remote.num_groups if remote is not None else 0
+        self.roster = SamplerRoster([*sizes, *[0] * remote_groups])
         self.members: dict[int, Any] = dict(enumerate(base.replicas))  # roster id -> verl RolloutReplica
         #: the highest ``replica_rank`` used in this run (a replacement takes a new one: actor names contain it)
         self.highest_rank = max((replica.replica_rank for replica in base.replicas), default=-1)
@@ -89,6 +95,11 @@ class SamplerFleet:
         for size in sizes:
             self.groups.append(CheckpointEngineManager(base.config, base.actor_wg, base.replicas[start : start + size]))
             start += size
+        for _ in range(remote_groups):
+            self.groups.append(CheckpointEngineManager(base.config, base.actor_wg, []))
+        if remote is not None:
+            for name in remote.samplers:
+                self.roster.begin_replacement(remote.group_of[name])
         self.paused: set[int] = set()
         self.installs = [0] * len(self.groups)
         self._lost: list[tuple[int, str, float]] = []
@@ -191,6 +202,8 @@ class SamplerFleet:
             if self.server_manager is not None:
                 forget_replica(self.server_manager, member)
             release_resources(member)
+            if is_remote(member):
+                self.remote.retired(member)
             self.transport.forget(replica)
             logger.warning(
                 "hetero: retired sampler replica %d of group %d (%s, detected after %.1f s)%s",
@@ -206,7 +219,9 @@ class SamplerFleet:
                 versions.retire(group)
         if self.replacements is not None:
             for replica, _, _ in lost:
-                self.replacements.start(self.roster.group_of[replica])
+                group = self.roster.group_of[replica]
+                if self.remote is None or group < len(self.groups) - self.remote.num_groups:
+                    self.replacements.start(group)  # (a remote sampler comes back by dialling in again)
         self.roster.require_any()
 
     def on_group(self, group: int, call: Callable[[CheckpointEngineManager], object]) -> None:
@@ -262,22 +277,32 @@ class SamplerFleet:
         self.groups[group].add_replicas([replica])
         if self.monitor is not None:
             self.monitor.watch(member, replica.servers)
-        manager.rollout_replicas.append(replica)
-        manager.server_handles.append(replica.server_handle)
-        manager.server_addresses.append(replica.server_address)
+        if not is_remote(replica):  # verl's own replica lists hold the replicas it can start and stop
+            manager.rollout_replicas.append(replica)
+            manager.server_handles.append(replica.server_handle)
+            manager.server_addresses.append(replica.server_address)
         ray.get(manager.global_load_balancer.add_servers.remote({replica.server_address: replica.server_handle}))
         if group in self.paused and not rejoining:
             replicas.abort_replicas()  # its group waits for newer weights
         else:
             self.paused.discard(group)
             replicas.resume_generation_replicas()
-        logger.warning(
-            "hetero: replica %d (rank %d) replaces a lost one in sampler group %d with weight version %d",
-            member,
-            replica.replica_rank,
-            group,
-            version,
-        )
+        if is_remote(replica):
+            logger.warning(
+                "hetero: replica %d (remote sampler %r) joins sampler group %d with weight version %d",
+                member,
+                replica.name,
+                group,
+                version,
+            )
+        else:
+            logger.warning(
+                "hetero: replica %d (rank %d) replaces a lost one in sampler group %d with weight version %d",
+                member,
+                replica.replica_rank,
+                group,
+                version,
+            )
         return member
 
     def abandon(self, group: int, replica: Any) -> None:
@@ -293,11 +318,17 @@ class SamplerFleet:
         return self.highest_rank
 
     def _admit_replacements(self) -> list[int]:
-        """The transport brings the replacements that have started to their group's weights; stop the run when
-        the last one failed to start and no sampler is left. Returns the roster ids that joined."""
-        if self.replacements is None:
+        """The transport brings the replacements that have started, and the remote samplers that dialled in, to
+        their group's weights; stop the run when the last one failed to start and no sampler is left. Returns the
+        roster ids that joined."""
+        started = self.replacements.started() if self.replacements is not None else []
+        if self.remote is not None:
+            for name in self.remote.rejoin():
+                self.roster.begin_replacement(self.remote.group_of[name])
+            started += self.remote.candidates(list(self.members.values()))
+        if not started and self.replacements is None:
             return []
-        joined = self.transport.join(self.replacements.started())
+        joined = self.transport.join(started)
         self.roster.require_any()
         return joined
 

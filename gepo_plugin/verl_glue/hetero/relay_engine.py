@@ -79,7 +79,12 @@ class RelayCheckpointEngine(CheckpointEngine):
         version = int(global_steps or 0)
         if self.publisher is None:  # the first publication of this learner: a start or a resume at `version`
             self.publisher = RelayPublisher(
-                open_store(self.config), self.config.run_id, self.config, self.config.secret(), resume_from=version
+                open_store(self.config),
+                self.config.run_id,
+                self.config,
+                self.config.secret(),
+                resume_from=version,
+                signer=self.config.signer(),
             )
         if self.publisher.latest is not None and version <= self.publisher.latest:
             logger.info("relay: version %d is already published (a resume): not published again", version)
@@ -120,7 +125,9 @@ class RelayCheckpointEngine(CheckpointEngine):
             return
         links = self.config.links
         link = Link(links[group]) if links else None
-        puller = RelayPuller(open_store(self.config), self.config.run_id, self.config.secret(), link)
+        puller = RelayPuller(
+            open_store(self.config), self.config.run_id, self.config.secret(), link, verifier=self.config.verifier()
+        )
         self.follower = RelayFollower(puller, group, replica, poll_s=self.config.poll_s, outage_s=self.config.outage_s)
         self.follower.start()
 

@@ -32,6 +32,7 @@ from gepo_plugin import metric_names
 from gepo_plugin.hetero.relay.arrivals import ArrivalBook
 from gepo_plugin.hetero.relay.follower import FollowerStatus, Receipt
 from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE
+from gepo_plugin.verl_glue.hetero.remote.members import is_remote
 from gepo_plugin.verl_glue.hetero.transport import Fleet
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ class Joining:
 
     group: int
     replica: Any
-    workers: RayWorkerGroup
+    #: the replacement's checkpoint-engine workers (None for a remote sampler, which installs by itself)
+    workers: RayWorkerGroup | None
     manager: CheckpointEngineManager
 
 
@@ -74,6 +76,11 @@ class RelayTransport:
         self.sampler_counters: dict[int, dict[str, float]] = {}
         self.publish_metrics: dict[str, float] = {}
         self.joining: list[Joining] = []
+        #: roster id -> a remote sampler (it pulls and installs by itself; the learner records what it reports)
+        self.remote_members: dict[int, Any] = {}
+        #: each live remote sampler's last report, by name (its metrics)
+        self.remote_reports: dict[str, dict] = {}
+        self.first_version = 0
         for replica, member in fleet.members.items():
             self.worker_groups[replica] = checkpoint_workers(member)
             self.replica_managers[replica] = CheckpointEngineManager(fleet.config, self.actor_wg, [member])
@@ -99,6 +106,9 @@ class RelayTransport:
         self._publish(version)
         groups = len(self.fleet.roster.groups)
         self.book = ArrivalBook(self._replica_groups(), groups, start_version=version, start_time=self.clock())
+        self.first_version = version
+        if self.fleet.remote is not None:  # results may claim this run's versions, none newer than the learner's
+            self.fleet.remote.set_window(version, version)
         return self.book
 
     def install_first(self, version: int) -> None:
@@ -125,6 +135,8 @@ class RelayTransport:
     def publish(self, version: int) -> None:
         self._publish(version)
         self.book.publish(version, self.clock())
+        if self.fleet.remote is not None:
+            self.fleet.remote.set_window(self.first_version, version)
         self._collect()
 
     def collect(self) -> bool:
@@ -137,6 +149,11 @@ class RelayTransport:
         if self.book is None:
             return []
         for group, replica in started:
+            if is_remote(replica):  # it follows the store by itself: it joins once it reports a version
+                if not any(joining.replica is replica for joining in self.joining):
+                    manager = CheckpointEngineManager(self.fleet.config, self.actor_wg, [replica])
+                    self.joining.append(Joining(group, replica, None, manager))
+                continue
             workers = checkpoint_workers(replica)
             size = workers.world_size
             try:  # a provisional replica id: receipts are relabelled by the worker group they came from
@@ -153,6 +170,7 @@ class RelayTransport:
         if self.book is not None:
             self.book.remove_replica(replica)
         self.worker_groups.pop(replica, None)
+        self.remote_members.pop(replica, None)
         self.replica_managers.pop(replica, None)
 
     def settle(self, oldest: int) -> None:
@@ -163,6 +181,8 @@ class RelayTransport:
     def metrics(self) -> dict[str, float]:
         out = metric_names.under(metric_names.RELAY, self.publish_metrics)
         out.update(metric_names.under(metric_names.RELAY_SAMPLERS, _summed(self.sampler_counters.values())))
+        if self.fleet.remote is not None:
+            out.update(self.fleet.remote.metrics(self.remote_reports))
         return out
 
     # --------------------------------------------------------------- the learner's side
@@ -231,7 +251,48 @@ class RelayTransport:
                 installed.append(replica)
         if keyframe:
             self._request_keyframe(sorted(corrupt))
+        return installed + self._collect_remote()
+
+    def _remote_reports(self, replicas: dict[int, Any]) -> dict[int, dict]:
+        return self.fleet.remote.reports(replicas, self.settings.health.timeout_s) if replicas else {}
+
+    def _collect_remote(self) -> list[int]:
+        """Record the versions remote samplers installed by themselves (what they report with every poll)."""
+        installed = []
+        live = {member: replica for member, replica in self.remote_members.items() if member in self.fleet.members}
+        reports = self._remote_reports(live)
+        self.remote_reports = {live[member].name: report for member, report in reports.items()}
+        for member, report in reports.items():
+            status = report.get("status")
+            if status is None:
+                continue
+            self.sampler_counters[member] = {
+                key.removeprefix("relay_"): value
+                for key, value in status["counters"].items()
+                if key.startswith("relay_")
+            }
+            version = status["version"]
+            if version is None or version <= self.book.installed.get(member, version):
+                continue
+            group = self.fleet.roster.group_of[member]
+            self.book.install(Receipt(group, member, version, self.clock(), 0, 0.0))
+            self.fleet.installed(group, self.replica_managers[member])
+            installed.append(member)
         return installed
+
+    def _join_remote(self, joining: Joining) -> int | None:
+        """A remote sampler joins its group once it has dialled in and reports the version it installed."""
+        report = self._remote_reports({-1: joining.replica}).get(-1) or {}
+        status = report.get("status")
+        if status is None or status["version"] is None or report.get("dead"):
+            return None
+        version = int(status["version"])
+        self.joining.remove(joining)
+        member = self.fleet.enlist(joining.group, joining.replica, version, joining.manager)
+        self.remote_members[member] = joining.replica
+        self.replica_managers[member] = joining.manager
+        self.book.add_replica(member, joining.group, version)
+        return member
 
     def _install_replica(self, replica: int, version: int) -> bool:
         """Install ``version`` on ``replica``; False if the replica was lost meanwhile (it is then reported)."""
@@ -255,6 +316,8 @@ class RelayTransport:
 
     def _join(self, joining: Joining) -> int | None:
         """Install ``joining``'s first arrived version and enlist it; None while it has not arrived (or it failed)."""
+        if joining.workers is None:
+            return self._join_remote(joining)
         size = joining.workers.world_size
         try:
             statuses = ray.get(

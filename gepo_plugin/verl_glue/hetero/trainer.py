@@ -41,6 +41,7 @@ from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
 from gepo_plugin.verl_glue.hetero.fleet import SamplerFleet
 from gepo_plugin.verl_glue.hetero.relay_transport import RelayTransport
+from gepo_plugin.verl_glue.hetero.remote.members import build_remote_samplers
 from gepo_plugin.verl_glue.hetero.server_identity import SERVER_ID
 from gepo_plugin.verl_glue.hetero.simulated_transport import SimulatedTransport
 from gepo_plugin.verl_glue.hetero.transport import WeightTransport
@@ -105,12 +106,18 @@ class HeteroMixin(AdvantageFieldsMixin):
                 "trainer.v1.sampler.custom_sampler.path=pkg://gepo_plugin.verl_glue.hetero.replay_buffer "
                 "trainer.v1.sampler.custom_sampler.name=HeteroReplayBuffer"
             )
+        remote = None
+        if settings.config.remote_samplers:
+            in_cluster = len(settings.group_sizes(len(self.standalone_checkpoint_manager.replicas)))
+            # the version window is set when the weights first go out (the fleet's start); 0 until then
+            remote = build_remote_samplers(self.config, settings, in_cluster, 0)
         fleet = SamplerFleet(
             self.standalone_checkpoint_manager,
             settings,
             staleness=buffer.core,
             transport=TRANSPORTS[settings.transport],
             server_manager=self.standalone_server_manager,
+            remote=remote,
         )
         self.standalone_checkpoint_manager = fleet
         fleet.roster.load_state_dict(self.hetero.resumed_sampler_books)

@@ -73,6 +73,8 @@ class Fleet(Protocol):
     #: per sampler group, its verl weight-sync manager
     groups: list[CheckpointEngineManager]
     paused: set[int]
+    #: the samplers outside the cluster (None without ``hetero.remote_samplers``)
+    remote: Any
 
     def on_group(self, group: int, call: Callable[[CheckpointEngineManager], object]) -> None:
         """Run ``call`` on ``group``'s weight-sync manager, retiring replicas lost meanwhile."""

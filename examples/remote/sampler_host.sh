@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# A remote sampler for examples/remote/run_qwen3_1.7b_gepo_math_remote.sh: vLLM on this machine, joined to the run
+# by URL (python -m gepo_plugin sampler; docs/remote.md). No Ray here, and no port opened: it dials the learner.
+#
+# Resources (estimates; NOT run on GPUs in this repository's CI; tests/test_remote_e2e.py and
+# tests/test_remote_sampler.py run the same command on CPU with vLLM's CPU build):
+#   GPUs    one vLLM server (ROLLOUT_TP GPUs of >= 40 GB for Qwen3-1.7B; more with --vllm-arg=--data-parallel-size=N)
+#   network outbound HTTPS to GATEWAY_URL; read access to the store (each version: a delta, or a 3.4 GB keyframe)
+#   software gepo-plugin + vLLM 0.24 or 0.30 (pip install gepo-plugin vllm)
+#
+# Environment variables (defaults in brackets):
+#   GATEWAY_URL (required) e.g. https://learner.example.org:8471   SAMPLER_NAME (required) as in REMOTE_SAMPLERS
+#   GEPO_SAMPLER_TOKEN (required) this sampler's token   RELAY_PUBLIC_KEY (required) the learner's public key
+#   MODEL_PATH [Qwen/Qwen3-1.7B]  MAX_MODEL_LEN [2816]  DTYPE [bfloat16]  CA_CERT []: the gateway's CA (self-signed)
+#   RELAY_URL []: the store as this machine reaches it (default: the learner's)  STORAGE_OPTIONS [{}]
+#   store credentials: the provider's usual variables (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for s3://)
+#   PRINT_ONLY [0]  1 (or --print-command as the first argument): print the command instead of running it
+# Extra arguments go to `python -m gepo_plugin sampler` (try --help).
+set -euo pipefail
+print_only="${PRINT_ONLY:-0}"
+if [[ "${1:-}" == "--print-command" ]]; then print_only=1; shift; fi
+: "${GATEWAY_URL:?set GATEWAY_URL, e.g. https://learner.example.org:8471}"
+: "${SAMPLER_NAME:?set SAMPLER_NAME (its entry in the learner's REMOTE_SAMPLERS)}"
+: "${RELAY_PUBLIC_KEY:?set RELAY_PUBLIC_KEY (the learner's hetero.relay.public_key)}"
+command=(
+  "${PYTHON:-python3}" -m gepo_plugin sampler
+  --gateway "$GATEWAY_URL" --name "$SAMPLER_NAME" --public-key "$RELAY_PUBLIC_KEY"
+  --model "${MODEL_PATH:-Qwen/Qwen3-1.7B}" --max-model-len "${MAX_MODEL_LEN:-2816}" --dtype "${DTYPE:-bfloat16}"
+  --storage-options "${STORAGE_OPTIONS:-{\}}"
+)
+if [[ -n "${CA_CERT:-}" ]]; then command+=(--ca-cert "$CA_CERT"); fi
+if [[ -n "${RELAY_URL:-}" ]]; then command+=(--relay-url "$RELAY_URL"); fi
+command+=("$@")
+if [[ "$print_only" == "1" ]]; then
+  printf '%q ' "${command[@]}"
+  echo
+else
+  exec "${command[@]}"
+fi

@@ -1,0 +1,166 @@
+"""The wire protocol between the gateway and a sampler host, and the checks every response passes before training.
+
+The sampler host dials out (it opens no port): it long-polls ``POST /v1/samplers/<name>/poll`` with its
+:class:`SamplerStatus` and receives :class:`Work` (generation requests, and whether to abort what is in flight), and
+it posts each finished request to ``POST /v1/samplers/<name>/results`` as :class:`Results`. ``GET
+/v1/samplers/<name>/hello`` tells it the run it joins (:class:`Hello`). Every request carries ``Authorization:
+Bearer <token>``; bodies are JSON.
+
+A response that cannot be true is refused and counted, never trained (:func:`check_result`): one for a request the
+gateway never sent (or already answered), generated under a version this run did not publish or newer than the
+learner's, whose token and log-prob counts disagree, with non-finite or positive log-probs, with token ids outside
+the vocabulary, or longer than the request allowed. The checks are vectorised (one numpy pass per response).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+#: Bumped when a message changes incompatibly; the host refuses a gateway speaking another.
+PROTOCOL_VERSION = 1
+
+_MESSAGE = ConfigDict(extra="forbid", frozen=True)
+
+#: Why a response was refused (the counters' names, ``hetero/remote/<sampler>/refused/<reason>``).
+UNKNOWN_REQUEST = "unknown_request"
+VERSION_UNPUBLISHED = "version_unpublished"
+VERSION_AHEAD = "version_ahead"
+LENGTH_MISMATCH = "length_mismatch"
+TOO_LONG = "too_long"
+NON_FINITE = "non_finite_logprob"
+POSITIVE = "positive_logprob"
+OUT_OF_VOCAB = "token_out_of_vocab"
+MALFORMED = "malformed"
+#: every reason a result is refused for (the metrics ``hetero/remote/<name>/refused/<reason>``)
+REFUSAL_REASONS = (
+    UNKNOWN_REQUEST,
+    VERSION_UNPUBLISHED,
+    VERSION_AHEAD,
+    LENGTH_MISMATCH,
+    TOO_LONG,
+    NON_FINITE,
+    POSITIVE,
+    OUT_OF_VOCAB,
+    MALFORMED,
+)
+#: finish reasons a host reports (vLLM's, with ``abort``: cut at a weight install or by the learner's abort)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class GenerateRequest(BaseModel):
+    """One generation request: token ids in, verl's sampling settings."""
+
+    model_config = _MESSAGE
+
+    request_id: str = Field(..., min_length=1, max_length=128)
+    prompt_ids: list[StrictInt] = Field(..., min_length=1)
+    max_tokens: StrictInt = Field(..., ge=1)
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: StrictInt = -1
+    logprobs: StrictBool = True
+
+
+class Work(BaseModel):
+    """What a long poll returns: requests to start, and whether to abort every request in flight first."""
+
+    model_config = _MESSAGE
+
+    abort: StrictBool = False
+    requests: list[GenerateRequest] = Field(default_factory=list)
+    learner_version: StrictInt
+
+
+class SamplerStatus(BaseModel):
+    """What a host reports with every poll: the version it holds, what it pulls, whether its engine lives."""
+
+    model_config = _MESSAGE
+
+    protocol: StrictInt = PROTOCOL_VERSION
+    version: StrictInt | None = Field(None, description="the weight version its engine holds (None: none yet)")
+    pulling: StrictInt | None = Field(None, description="the version it is pulling from the store, if any")
+    engine_alive: StrictBool = True
+    in_flight: StrictInt = Field(0, ge=0)
+    error: str | None = Field(None, max_length=4000, description="why it cannot generate (a fatal store error...)")
+    engine: str = Field("", max_length=200, description="the inference engine and its version, e.g. vllm 0.30.0")
+    counters: dict[str, float] = Field(default_factory=dict)
+
+
+class Result(BaseModel):
+    """One finished (or cut) request: the tokens generated, their log-probs, and the version they came from."""
+
+    model_config = _MESSAGE
+
+    request_id: str = Field(..., min_length=1, max_length=128)
+    token_ids: list[StrictInt]
+    log_probs: list[float] | None = None
+    finish_reason: Literal["stop", "length", "abort"]
+    version: StrictInt
+    #: why the sampler could not generate this request (its engine refused it); the request then fails
+    error: str | None = Field(None, max_length=2000)
+
+
+class Results(BaseModel):
+    model_config = _MESSAGE
+
+    results: list[Result] = Field(default_factory=list)
+
+
+class Hello(BaseModel):
+    """What the gateway tells a host that dials in: the run it joins and how to reach its weights."""
+
+    model_config = _MESSAGE
+
+    protocol: StrictInt = PROTOCOL_VERSION
+    name: str
+    run_id: str
+    relay_url: str
+    first_version: StrictInt
+    learner_version: StrictInt
+    poll_wait_s: float
+    link: dict | None = None
+
+
+class VersionWindow(BaseModel):
+    """The versions a response may claim: published in this run (from ``first``) and not newer than the learner's."""
+
+    model_config = _MESSAGE
+
+    first: StrictInt
+    latest: StrictInt
+
+
+class RefusedResult(ValueError):
+    """A response that cannot be true; ``reason`` is one of :data:`REFUSAL_REASONS`."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def check_result(result: Result, request: GenerateRequest, window: VersionWindow, vocab_size: int) -> None:
+    """Raise :class:`RefusedResult` unless ``result`` could be an honest answer to ``request`` (a failed request,
+    ``error`` set, carries nothing to check)."""
+    if result.error is not None:
+        return
+    if result.version < window.first:
+        raise RefusedResult(VERSION_UNPUBLISHED, f"version {result.version} precedes this run's {window.first}")
+    if result.version > window.latest:
+        raise RefusedResult(VERSION_AHEAD, f"version {result.version} is newer than the learner's {window.latest}")
+    tokens = np.asarray(result.token_ids, dtype=np.int64)
+    if tokens.size > request.max_tokens:
+        raise RefusedResult(TOO_LONG, f"{tokens.size} tokens for at most {request.max_tokens}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise RefusedResult(OUT_OF_VOCAB, f"token ids in [{tokens.min()}, {tokens.max()}], vocabulary {vocab_size}")
+    if request.logprobs:
+        if result.log_probs is None or len(result.log_probs) != tokens.size:
+            given = "none" if result.log_probs is None else len(result.log_probs)
+            raise RefusedResult(LENGTH_MISMATCH, f"{tokens.size} tokens and {given} log-probs")
+        logp = np.asarray(result.log_probs, dtype=np.float64)
+        if not np.isfinite(logp).all():
+            raise RefusedResult(NON_FINITE, "a log-prob is not finite")
+        if logp.size and logp.max() > 1e-6:
+            raise RefusedResult(POSITIVE, f"log-prob {logp.max():.3g} > 0 (a probability above 1)")

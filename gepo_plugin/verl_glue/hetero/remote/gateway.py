@@ -1,0 +1,168 @@
+"""The one endpoint of the learner's side that remote samplers dial: HTTPS, a bearer token per sampler, limits.
+
+A Ray actor on the node of verl's TaskRunner runs an aiohttp server (``hetero.gateway.host``/``port``; TLS with
+``certfile``/``keyfile``) with four routes per sampler name: ``GET /v1/samplers/<name>/hello`` (the run it joins),
+``POST .../poll`` (its status in, work out: a long poll), ``POST .../status`` (a change of status while a poll is
+held, such as a version installed: the fleet must not learn it a long poll later) and ``POST .../results``. It
+authenticates every request (``Authorization: Bearer``, compared in constant time with :func:`hmac.compare_digest`
+against the token in the environment variable the sampler's entry names, read on this node), refuses bodies over
+``max_body_mb``, and hands the call to the sampler's
+:class:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy`. A sampler the fleet retired gets 410 and is
+recorded as asking to rejoin (:meth:`RemoteGateway.rejoining`); the fleet takes it back at its next safe point.
+Refusals are counted per sampler and reason (a wrong token: ``unauthorised``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import ssl
+import time
+from collections import Counter
+from typing import Any
+
+import ray
+from aiohttp import web
+
+from gepo_plugin.hetero.remote.protocol import Hello
+from gepo_plugin.hetero.remote.settings import GatewayConfig, RemoteSamplerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteGateway:
+    """The gateway (instantiated as a Ray actor; its methods are the fleet's control)."""
+
+    def __init__(self, config: GatewayConfig, samplers: list[RemoteSamplerConfig], hello: dict[str, Any]) -> None:
+        self.config = config
+        self.samplers = {sampler.name: sampler for sampler in samplers}
+        self._tokens = {sampler.name: sampler.token().encode() for sampler in samplers}
+        self.hello_fields = hello
+        self.proxies: dict[str, Any] = {}
+        self.asking: dict[str, float] = {}
+        self.refusals: Counter[str] = Counter()
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> str:
+        """Listen; returns the URL samplers dial."""
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.add_routes(
+            [
+                web.get("/v1/samplers/{name}/hello", self._hello),
+                web.post("/v1/samplers/{name}/poll", self._poll),
+                web.post("/v1/samplers/{name}/status", self._status),
+                web.post("/v1/samplers/{name}/results", self._results),
+            ]
+        )
+        context = None
+        if self.config.tls:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(self.config.certfile, self.config.keyfile)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=context)
+        await site.start()
+        scheme = "https" if context is not None else "http"
+        url = f"{scheme}://{self.config.host}:{self.config.port}"
+        logger.info("hetero: the remote samplers' gateway listens at %s", url)
+        return url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ------------------------------------------------------------------ the fleet's control
+    def attach(self, name: str, proxy: Any) -> None:
+        """Route ``name``'s calls to ``proxy`` (a sampler joining, or rejoining)."""
+        self.proxies[name] = proxy
+        self.asking.pop(name, None)
+
+    def detach(self, name: str) -> None:
+        """``name`` was retired: its calls get 410 until it is attached again."""
+        self.proxies.pop(name, None)
+
+    def set_hello(self, **fields: Any) -> None:
+        self.hello_fields.update(fields)
+
+    def rejoining(self) -> list[str]:
+        """Retired samplers that have dialled in since (they ask to be taken back)."""
+        return sorted(self.asking)
+
+    def counts(self) -> dict[str, float]:
+        return {key: float(value) for key, value in self.refusals.items()}
+
+    # ------------------------------------------------------------------ HTTP
+    def _authorised(self, request: web.Request) -> str:
+        name = request.match_info["name"]
+        expected = self._tokens.get(name)
+        if expected is None:
+            self.refusals["unknown_sampler"] += 1
+            raise web.HTTPNotFound(text=f"no remote sampler named {name!r} in hetero.remote_samplers")
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme != "Bearer" or not hmac.compare_digest(token.encode(), expected):
+            self.refusals[f"{name}/unauthorised"] += 1
+            logger.warning("hetero: a call for remote sampler %r with a wrong token, from %s", name, request.remote)
+            raise web.HTTPUnauthorized(text="wrong or missing bearer token")
+        return name
+
+    def _proxy(self, name: str) -> Any:
+        proxy = self.proxies.get(name)
+        if proxy is None:
+            raise self._retired(name)
+        return proxy
+
+    def _retired(self, name: str) -> web.HTTPGone:
+        """410 for a retired sampler, recorded as asking to rejoin."""
+        self.asking[name] = time.monotonic()
+        return web.HTTPGone(text=f"remote sampler {name!r} is retired; it rejoins when the learner takes it back")
+
+    async def _body(self, request: web.Request, name: str) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            self.refusals[f"{name}/malformed"] += 1
+            raise web.HTTPBadRequest(text="the body is not JSON") from None
+        if not isinstance(body, dict):
+            self.refusals[f"{name}/malformed"] += 1
+            raise web.HTTPBadRequest(text="the body is not a JSON object")
+        return body
+
+    async def _hello(self, request: web.Request) -> web.Response:
+        name = self._authorised(request)
+        link = self.samplers[name].link
+        hello = Hello(name=name, link=link.model_dump() if link is not None else None, **self.hello_fields).model_dump()
+        return web.json_response(hello)
+
+    async def _poll(self, request: web.Request) -> web.Response:
+        name = self._authorised(request)
+        body = await self._body(request, name)
+        proxy = self._proxy(name)
+        wait_s = self.config.poll_wait_s
+        return web.json_response(await self._proxy_call(name, proxy.poll.remote(body, wait_s), wait_s + 30.0))
+
+    async def _status(self, request: web.Request) -> web.Response:
+        name = self._authorised(request)
+        body = await self._body(request, name)
+        proxy = self._proxy(name)
+        await self._proxy_call(name, proxy.update_status.remote(body), 30.0)
+        return web.json_response({})
+
+    async def _proxy_call(self, name: str, call: Any, timeout_s: float) -> Any:
+        """A proxy's answer to the sampler's call: 410 if the proxy is gone (retired meanwhile), 400 and counted if
+        it refused what was sent as malformed."""
+        try:
+            return await asyncio.wait_for(call, timeout_s)
+        except ray.exceptions.RayActorError:  # killed with its sampler's retirement, before the fleet detached it
+            raise self._retired(name) from None
+        except Exception as error:
+            self.refusals[f"{name}/malformed"] += 1
+            raise web.HTTPBadRequest(text=f"status refused: {type(error).__name__}") from None
+
+    async def _results(self, request: web.Request) -> web.Response:
+        name = self._authorised(request)
+        body = await self._body(request, name)
+        proxy = self._proxy(name)
+        return web.json_response(await self._proxy_call(name, proxy.deliver.remote(body), 30.0))

@@ -1,0 +1,190 @@
+"""The learner's side of ``hetero.remote_samplers``: the gateway, one proxy per sampler, and their joins.
+
+:class:`RemoteSamplers` starts the gateway (:class:`~gepo_plugin.verl_glue.hetero.remote.gateway.RemoteGateway`)
+and a :class:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy` per sampler as Ray actors on the node
+of verl's TaskRunner (which every sampler dials), and gives the sampler fleet a :class:`RemoteReplica` per sampler:
+what the fleet, verl's weight-sync manager and its load balancer hold for a replica (servers, address, abort and
+resume). Remote groups start empty; a sampler joins its group when it has dialled in and installed a version (the
+relay transport checks, :meth:`RemoteSamplers.candidates`). A retired sampler's proxy is killed with it (its requests
+fail and are counted); when it dials again, the gateway records it and :meth:`RemoteSamplers.rejoin` gives it a new
+proxy, so it joins again without a learner restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from gepo_plugin import metric_names
+from gepo_plugin.hetero.remote.protocol import VersionWindow
+from gepo_plugin.hetero.settings import HeteroSettings
+from gepo_plugin.verl_glue.hetero.remote.gateway import RemoteGateway
+from gepo_plugin.verl_glue.hetero.remote.proxy import RemoteSamplerProxy
+
+logger = logging.getLogger(__name__)
+
+#: Replica ranks of remote samplers start here (verl's replicas and their replacements count up from 0).
+REMOTE_FIRST_RANK = 100_000
+#: The prefix of a remote sampler's server address (verl's load balancer key, and the per-group metrics' label).
+ADDRESS_PREFIX = "remote/"
+
+
+class RemoteReplica:
+    """One remote sampler as the fleet holds a verl ``RolloutReplica`` (its proxy is its one server)."""
+
+    is_remote = True
+
+    def __init__(self, name: str, proxy: Any, replica_rank: int) -> None:
+        self.name = name
+        self.proxy = proxy
+        self.replica_rank = replica_rank
+        self.servers = [proxy]
+        self.workers: list[Any] = []
+        self.resource_pool = None
+        self.server_handle = proxy
+        self.server_address = ADDRESS_PREFIX + name
+
+    async def abort_all_requests(self, reject_request: bool = False) -> dict:
+        return await self.proxy.abort_all_requests.remote(reject_request=reject_request)
+
+    async def resume_generation(self) -> None:
+        await self.proxy.resume_generation.remote()
+
+    # verl's manager calls these on every replica; a remote sampler manages its own engine
+    async def release_kv_cache(self) -> None: ...
+    async def resume_kv_cache(self) -> None: ...
+    async def sleep(self) -> None: ...
+    async def wake_up(self) -> None: ...
+    async def start_profile(self, **kwargs) -> None: ...
+    async def stop_profile(self) -> None: ...
+
+
+def is_remote(replica: Any) -> bool:
+    return getattr(replica, "is_remote", False)
+
+
+class RemoteSamplers:
+    """The gateway and the proxies of every remote sampler (built on verl's TaskRunner, which owns the fleet)."""
+
+    def __init__(
+        self,
+        settings: HeteroSettings,
+        first_group: int,
+        window: VersionWindow,
+        vocab_size: int,
+        default_max_tokens: int,
+        hello: dict[str, Any],
+        first_rank: int,
+    ) -> None:
+        config = settings.config
+        self.samplers = {sampler.name: sampler for sampler in config.remote_samplers}
+        labels = settings.config.remote_groups()
+        self.group_of = {name: first_group + labels.index(s.group_label) for name, s in self.samplers.items()}
+        self.num_groups = len(labels)
+        self.window = window
+        self.vocab_size, self.default_max_tokens = vocab_size, default_max_tokens
+        self._gateway_config = config.gateway
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        self._placement = {"num_cpus": 0, "scheduling_strategy": here}
+        self.gateway = (
+            ray.remote(RemoteGateway)
+            .options(**self._placement, max_concurrency=1000)
+            .remote(config.gateway, list(config.remote_samplers), {**hello, "poll_wait_s": config.gateway.poll_wait_s})
+        )
+        self.url = ray.get(self.gateway.start.remote())
+        self._next_rank = first_rank
+        #: name -> its replica while it may serve or join (a retired sampler is absent until it dials again)
+        self.replicas: dict[str, RemoteReplica] = {}
+        for name in self.samplers:
+            self._new_proxy(name)
+
+    def _new_proxy(self, name: str) -> RemoteReplica:
+        proxy = (
+            ray.remote(RemoteSamplerProxy)
+            .options(**self._placement, max_concurrency=1000)
+            .remote(
+                name,
+                ADDRESS_PREFIX + name,
+                self._gateway_config,
+                self.window,
+                self.vocab_size,
+                self.default_max_tokens,
+            )
+        )
+        ray.get(self.gateway.attach.remote(name, proxy))
+        replica = RemoteReplica(name, proxy, self._next_rank)
+        self._next_rank += 1
+        self.replicas[name] = replica
+        return replica
+
+    def candidates(self, members: list[Any]) -> list[tuple[int, RemoteReplica]]:
+        """``(group, replica)`` of every remote sampler that is not a member of the fleet (it may join once it
+        reports a version)."""
+        current = {id(member) for member in members}
+        return [(self.group_of[name], r) for name, r in self.replicas.items() if id(r) not in current]
+
+    def retired(self, replica: RemoteReplica) -> None:
+        """The fleet retired ``replica`` (its proxy is killed): its calls get 410 until it dials again."""
+        if self.replicas.get(replica.name) is replica:
+            del self.replicas[replica.name]
+        ray.get(self.gateway.detach.remote(replica.name))
+
+    def rejoin(self) -> list[str]:
+        """Retired samplers that dialled in again get a new proxy; returns their names."""
+        back = [name for name in ray.get(self.gateway.rejoining.remote()) if name not in self.replicas]
+        for name in back:
+            self._new_proxy(name)
+            logger.warning("hetero: remote sampler %r dialled in again; it rejoins once it holds a version", name)
+        return back
+
+    def set_window(self, first: int, latest: int) -> None:
+        """Every proxy accepts results of this run's versions ``first``..``latest`` (the learner's)."""
+        self.window = VersionWindow(first=first, latest=latest)
+        calls = [replica.proxy.set_window.remote(first, latest) for replica in self.replicas.values()]
+        ray.get([*calls, self.gateway.set_hello.remote(first_version=first, learner_version=latest)])
+
+    def reports(self, replicas: dict[int, RemoteReplica], timeout_s: float) -> dict[int, dict]:
+        """Each member's proxy report (:meth:`RemoteSamplerProxy.report`); a proxy that does not answer is left out
+        (the health monitor judges it)."""
+        refs = {member: replica.proxy.report.remote() for member, replica in replicas.items()}
+        out = {}
+        for member, ref in refs.items():
+            try:
+                out[member] = ray.get(ref, timeout=timeout_s)
+            except Exception as error:  # a killed proxy: the fleet retires it
+                logger.debug("hetero: remote sampler report failed: %r", error)
+        return out
+
+    def metrics(self, reports: dict[str, dict]) -> dict[str, float]:
+        """Per sampler (``reports``: name -> its proxy's report) and the gateway's refusals, named."""
+        out = metric_names.under(metric_names.REMOTE, ray.get(self.gateway.counts.remote()))
+        for name, report in reports.items():
+            prefix = f"{metric_names.REMOTE}{name}/"
+            out.update({prefix + key: float(value) for key, value in report["counters"].items()})
+            out.update({f"{prefix}refused/{reason}": float(n) for reason, n in report["refused"].items()})
+            out[prefix + "silent_s"] = float(report["silent_s"])
+            status = report.get("status")
+            if status is not None and status["version"] is not None:
+                out[prefix + "version"] = float(status["version"])
+        return out
+
+
+def build_remote_samplers(config: Any, settings: HeteroSettings, first_group: int, version: int) -> RemoteSamplers:
+    """The run's remote samplers (``config``: verl's trainer config), their gateway listening on this node."""
+    from transformers import AutoConfig  # lazy: the model's config is read once, where the fleet is built
+
+    model = AutoConfig.from_pretrained(config.actor_rollout_ref.model.path, trust_remote_code=True)
+    relay = settings.relay
+    hello = {"run_id": relay.run_id, "relay_url": relay.url, "first_version": version, "learner_version": version}
+    return RemoteSamplers(
+        settings,
+        first_group=first_group,
+        window=VersionWindow(first=version, latest=version),
+        vocab_size=int(getattr(model, "vocab_size", None) or model.get_text_config().vocab_size),
+        default_max_tokens=int(config.actor_rollout_ref.rollout.response_length),
+        hello=hello,
+        first_rank=REMOTE_FIRST_RANK,
+    )

@@ -1,0 +1,148 @@
+"""Sampler hosts for the remote-sampler tests: ``python -m gepo_plugin sampler`` as an ordinary process outside Ray.
+
+Each host is started in its own process group with nothing of a Ray cluster in its environment (no ``RAY_*``
+variable), exactly as an operator starts one on another machine; the tests talk to it only through the learner's
+gateway (it dials out) and the store. A test helper, not shipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: vLLM's CPU build, one engine per host: a 1 GiB KV cache, and no thread pinning (two engines would share a core).
+CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_host(
+    gateway: str,
+    name: str,
+    token: str,
+    public_key: str,
+    model: str,
+    relay_url: str,
+    storage_options: dict,
+    workdir: Path,
+    max_model_len: int = 64,
+    extra: list[str] = (),
+    vllm_port: int | None = None,
+) -> tuple[subprocess.Popen, Path]:
+    """Start a sampler host (its vLLM on ``vllm_port``, default a free one); returns the process and its log."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / f"host-{name}.log"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    env.update(CPU_ENGINE_ENV, GEPO_SAMPLER_TOKEN=token, PYTHONWARNINGS="ignore")
+    command = [
+        sys.executable,
+        "-m",
+        "gepo_plugin",
+        "sampler",
+        "--gateway",
+        gateway,
+        "--name",
+        name,
+        "--public-key",
+        public_key,
+        "--model",
+        model,
+        "--port",
+        str(vllm_port or free_port()),
+        "--max-model-len",
+        str(max_model_len),
+        "--dtype",
+        "float32",
+        "--relay-url",
+        relay_url,
+        "--storage-options",
+        json.dumps(storage_options),
+        "--vllm-log",
+        str(workdir / f"vllm-{name}.log"),
+        "--vllm-arg=--enforce-eager",
+        "--poll-s",
+        "0.2",
+        *extra,
+    ]
+    process = subprocess.Popen(
+        command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir
+    )
+    return process, log
+
+
+def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 60) -> None:
+    """Stop a host and its vLLM (its process group, and any descendant; SIGKILL if it does not end in time)."""
+    descendants = children(process.pid)
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+    for pid in descendants:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def children(root: int) -> list[int]:
+    """Every descendant of ``root`` still alive (by /proc)."""
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent_of[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, frontier = [], [root]
+    while frontier:
+        current = frontier.pop()
+        kids = [pid for pid, parent in parent_of.items() if parent == current]
+        out.extend(kids)
+        frontier.extend(kids)
+    return out
+
+
+def wait_for(predicate, what: str, timeout_s: float, every_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout_s} s")
+        time.sleep(every_s)
+
+
+@contextlib.contextmanager
+def ray_with_token(variable: str, num_cpus: int):
+    """A local Ray whose workers see a fresh sampler token in ``variable`` (as on the learner's node, where it is set
+    before Ray starts); yields the token."""
+    import ray
+
+    token = secrets.token_urlsafe(24)
+    saved = os.environ.get(variable)
+    os.environ[variable] = token
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        yield token
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = saved

@@ -1,0 +1,208 @@
+"""The learner's gateway over real HTTPS, dialled by the sampler host's own client: TLS, tokens, limits, rejoining.
+
+The gateway and a proxy run as Ray actors exactly as in a run (:class:`RemoteSamplers`); the sampler's side is the
+host's :class:`~gepo_plugin.sampler_host.gateway_client.GatewayClient` (aiohttp), with a self-signed certificate made
+here (``cryptography``) and given to the client as its CA. No vLLM: what is checked is the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+
+import aiohttp
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from remote_hosts import free_port, ray_with_token
+
+from gepo_plugin.hetero.relay.signing import generate_pair
+from gepo_plugin.hetero.remote.protocol import Results, SamplerStatus, VersionWindow
+from gepo_plugin.hetero.settings import parse_hetero
+from gepo_plugin.sampler_host.gateway_client import GatewayClient, GatewayRefused, GatewayRetired
+
+pytestmark = pytest.mark.ray
+TOKEN_ENV = "GEPO_TEST_GATEWAY_TOKEN"
+
+
+def self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 signed by its own key: (certificate file, key file)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gepo-gateway-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert, pem = tmp_path / "gateway.pem", tmp_path / "gateway.key"
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    pem.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return str(cert), str(pem)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray whose workers see the token (as on the learner's node: set before Ray starts)."""
+    with ray_with_token(TOKEN_ENV, num_cpus=2) as token:
+        yield token
+
+
+def remote_samplers(tmp_path, monkeypatch, tls: bool = True, **gateway):
+    """:class:`RemoteSamplers` for one sampler ``far`` as a run builds them; (them, the CA certificate or None)."""
+    from gepo_plugin.verl_glue.hetero.remote.members import RemoteSamplers
+
+    monkeypatch.setenv("GEPO_TEST_KEY", generate_pair()[0])
+    cert, key = self_signed(tmp_path) if tls else (None, None)
+    hetero = parse_hetero(
+        {
+            "enable": True,
+            "transport": "relay",
+            "relay": {"url": str(tmp_path), "run_id": "r", "signing_key_env": "GEPO_TEST_KEY", "public_key": "ab" * 32},
+            "remote_samplers": [{"name": "far", "token_env": TOKEN_ENV}],
+            "gateway": {"host": "127.0.0.1", "port": free_port(), "certfile": cert, "keyfile": key, **gateway},
+        }
+    )
+    hello = {"run_id": "r", "relay_url": str(tmp_path), "first_version": 0, "learner_version": 0}
+    return RemoteSamplers(hetero, 0, VersionWindow(first=0, latest=0), 100, 8, hello, 100_000), cert
+
+
+@pytest.fixture
+def gateway(cluster, tmp_path, monkeypatch):
+    remote, cert = remote_samplers(tmp_path, monkeypatch, max_body_mb=0.01, poll_wait_s=0.2)
+    yield remote, cluster, cert
+    import ray
+
+    ray.get(remote.gateway.stop.remote())
+
+
+def test_the_gateway_speaks_tls_and_answers_only_the_right_token(gateway):
+    remote, token, cert = gateway
+    assert remote.url.startswith("https://127.0.0.1:")
+
+    async def run():
+        async with GatewayClient(remote.url, "far", token, ca_cert=cert) as client:
+            hello = await client.hello()
+            assert (hello.run_id, hello.name, hello.first_version) == ("r", "far", 0)
+            work = await client.poll(SamplerStatus(version=0), wait_s=0.2)
+            assert work.requests == [] and not work.abort
+        async with GatewayClient(remote.url, "far", "wrong" + token, ca_cert=cert) as client:
+            with pytest.raises(GatewayRefused, match="HTTP 401"):
+                await client.hello()
+        async with GatewayClient(remote.url, "nobody", token, ca_cert=cert) as client:
+            with pytest.raises(GatewayRefused, match="HTTP 404"):
+                await client.hello()
+        async with GatewayClient(remote.url, "far", token, ca_cert=None) as client:  # not its CA: refused by TLS
+            with pytest.raises(aiohttp.ClientConnectorCertificateError):
+                await client.hello()
+        http = remote.url.replace("https://", "http://")
+        async with GatewayClient(http, "far", token) as client:  # plain HTTP to a TLS port: no answer
+            with pytest.raises((aiohttp.ClientError, asyncio.TimeoutError)):
+                await client.hello()
+
+    asyncio.run(run())
+    import ray
+
+    counts = ray.get(remote.gateway.counts.remote())
+    assert counts == {"far/unauthorised": 1.0, "unknown_sampler": 1.0}
+
+
+def test_bodies_over_the_limit_and_garbled_ones_are_refused(gateway):
+    remote, token, cert = gateway
+
+    async def run():
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as session:
+            import ssl
+
+            context = ssl.create_default_context(cafile=cert)
+            url = f"{remote.url}/v1/samplers/far/results"
+            async with session.post(url, data=b"x" * 20_000, ssl=context) as response:
+                assert response.status == 413  # over hetero.gateway.max_body_mb
+            async with session.post(url, data=b"not json", ssl=context) as response:
+                assert response.status == 400
+
+    asyncio.run(run())
+
+
+def test_a_retired_sampler_is_told_so_and_rejoins_with_a_new_proxy(gateway):
+    remote, token, cert = gateway
+    replica = remote.replicas["far"]
+    remote.retired(replica)
+
+    async def run():
+        async with GatewayClient(remote.url, "far", token, ca_cert=cert) as client:
+            with pytest.raises(GatewayRetired):
+                await client.poll(SamplerStatus(version=0), wait_s=0.2)
+            with pytest.raises(GatewayRetired):
+                await client.send(Results())
+
+    asyncio.run(run())
+    assert remote.rejoin() == ["far"] and remote.replicas["far"] is not replica  # a new proxy
+    assert remote.rejoin() == []  # once
+
+    async def back():
+        async with GatewayClient(remote.url, "far", token, ca_cert=cert) as client:
+            return await client.poll(SamplerStatus(version=0), wait_s=0.2)
+
+    assert asyncio.run(back()).requests == []
+
+
+def test_a_sampler_in_a_held_poll_is_not_silent_and_its_status_reports_reach_the_learner_at_once(
+    cluster, tmp_path, monkeypatch
+):
+    """A long poll longer than the sampler timeout keeps the sampler alive (it is connected); silence counts from the
+    end of its last call; a status it reports between polls (a version installed) is what the learner reads next."""
+    import ray
+
+    remote, _ = remote_samplers(tmp_path, monkeypatch, tls=False, poll_wait_s=2.0, sampler_timeout_s=1.0)
+    proxy = remote.replicas["far"].proxy
+
+    async def run():
+        async with GatewayClient(remote.url, "far", cluster) as client:
+            held = asyncio.ensure_future(client.poll(SamplerStatus(version=0), wait_s=2.0))
+            await asyncio.sleep(1.5)  # past the timeout, inside the poll
+            during = ray.get(proxy.report.remote())
+            await client.report(SamplerStatus(version=1))
+            reported = ray.get(proxy.report.remote())
+            await held
+            await asyncio.sleep(1.3)  # silent past the timeout since the poll ended
+            return during, reported, ray.get(proxy.report.remote())
+
+    try:
+        during, reported, after = asyncio.run(run())
+    finally:
+        ray.get(remote.gateway.stop.remote())
+    assert during["dead"] is None and during["silent_s"] == 0.0 and during["status"]["version"] == 0
+    assert reported["status"]["version"] == 1
+    assert after["dead"] is not None and "not heard from" in after["dead"] and after["silent_s"] > 1.0
+
+
+def test_a_sampler_whose_proxy_was_killed_before_the_fleet_detached_it_is_told_it_is_retired(gateway):
+    """The fleet kills a retired sampler's proxy, then detaches it: a call in between gets 410 (rejoin), not an error
+    counted against the sampler."""
+    import ray
+
+    remote, token, cert = gateway
+    ray.kill(remote.replicas["far"].proxy, no_restart=True)
+
+    async def run():
+        async with GatewayClient(remote.url, "far", token, ca_cert=cert) as client:
+            for call in (client.poll(SamplerStatus(version=0), wait_s=0.2), client.send(Results())):
+                with pytest.raises(GatewayRetired):
+                    await call
+
+    asyncio.run(run())
+    assert ray.get(remote.gateway.rejoining.remote()) == ["far"]
+    assert ray.get(remote.gateway.counts.remote()) == {}
