@@ -3,15 +3,19 @@
 A sampler host (``python -m gepo_plugin sampler``: vLLM's CPU build on localhost, outside Ray) joins a relay run
 whose weights are in moto's S3 server, and the learner's side runs as in a HeteroRL run: the gateway and the
 sampler's proxy as Ray actors. The same requests (``--concurrency`` at a time, ``--requests`` in all, token ids in,
-``--lengths`` new tokens each) are sent two ways, interleaved per length:
+``--lengths`` new tokens each) are sent two ways, interleaved per length (``--repeats`` times each, after one
+untimed round that warms both paths up; medians reported):
 
 * **direct**: to the host's vLLM server itself (``/v1/completions``, what the host sends it);
 * **remote**: as verl's agent loop does, to the proxy's ``generate`` (Ray), which the host collects with its long
   poll through the gateway (HTTP), runs on the same vLLM and answers.
 
 Reported per length: generated tokens per second each way and their ratio (remote / direct: the path's overhead),
-the bytes a rollout costs on the wire (its request and result messages as JSON), and the seconds from the learner's
-publication of a new version to the host's install of it (``--publishes`` versions).
+the seconds one batch of ``--requests`` takes each way (a step's sampling time when a step trains that many
+rollouts: what the learner waits for) and the time the path adds to one request (the batch's extra seconds times
+``--concurrency`` over ``--requests``), the bytes a rollout costs on the wire (its request and result messages as
+JSON), and the seconds from the learner's publication of a new version to the host's install of it
+(``--publishes`` versions).
 
     python bench/bench_remote_sampler.py                        # about 4 minutes on 2 cores
     python bench/bench_remote_sampler.py --lengths 16 128 --json out.json
@@ -52,7 +56,7 @@ def run(args) -> dict:
     private, public = generate_pair()
     token = secrets.token_urlsafe(24)
     os.environ["GEPO_BENCH_TOKEN"], os.environ["GEPO_BENCH_KEY"] = token, private
-    record: dict = {"lengths": {}, "install_s": []}
+    record: dict = {"lengths": {}, "install_s": [], "requests": args.requests, "concurrency": args.concurrency}
     with tempfile.TemporaryDirectory(prefix="bench_remote_") as tmp, s3_server() as (url, options):
         tiny = write_all(Path(tmp) / "tiny", for_vllm=True)
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -93,15 +97,17 @@ def run(args) -> dict:
             wait_for(lambda: held() == 0, "the host installing version 0", 900)
             engine_url = f"http://127.0.0.1:{vllm_port}"
             prompts = [[5 + (i % 20), 9, 12 + (i % 7), 3] for i in range(args.requests)]
-            for length in args.lengths:
+            warming = True
+            for length in [min(args.lengths), *args.lengths]:  # the first round warms both paths up, untimed
                 params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True, "max_tokens": length}
                 row = {}
-                for way in ("direct", "remote", "direct", "remote"):  # interleaved: drift hits both
+                for way in ("direct", "remote") * args.repeats:  # interleaved: drift hits both
                     if way == "direct":
                         tokens, seconds = asyncio.run(_direct(engine_url, prompts, length, args.concurrency, aiohttp))
                     else:
                         tokens, seconds = asyncio.run(_remote(proxy, prompts, params, args.concurrency))
                     row.setdefault(way, []).append(tokens / seconds)
+                    row.setdefault(f"{way}_s", []).append(seconds)
                 request = GenerateRequest(request_id="x" * 36, prompt_ids=prompts[0], max_tokens=length)
                 result = Result(
                     request_id="x" * 36,
@@ -110,9 +116,14 @@ def run(args) -> dict:
                     finish_reason="stop",
                     version=0,
                 )
+                if warming:
+                    warming = False
+                    continue
                 record["lengths"][length] = {
                     "direct_tokens_per_s": statistics.median(row["direct"]),
                     "remote_tokens_per_s": statistics.median(row["remote"]),
+                    "direct_batch_s": statistics.median(row["direct_s"]),
+                    "remote_batch_s": statistics.median(row["remote_s"]),
                     "bytes_per_rollout": len(request.model_dump_json()) + len(result.model_dump_json()),
                 }
             for version in range(1, args.publishes + 1):
@@ -164,14 +175,23 @@ async def _remote(proxy, prompts, params, concurrency) -> tuple[int, float]:
 
 def report(record: dict) -> dict:
     derived = {}
-    print(f"\n{'new tokens':>10} {'direct tok/s':>13} {'remote tok/s':>13} {'remote/direct':>14} {'bytes/rollout':>14}")
+    print(
+        f"\n{'new tokens':>10} {'direct tok/s':>13} {'remote tok/s':>13} {'remote/direct':>14} "
+        f"{'batch direct s':>15} {'batch remote s':>15} {'bytes/rollout':>14}"
+    )
     for length, row in record["lengths"].items():
         ratio = row["remote_tokens_per_s"] / row["direct_tokens_per_s"]
         derived[f"ratio_{length}"] = ratio
         print(
             f"{length:>10} {row['direct_tokens_per_s']:>13.1f} {row['remote_tokens_per_s']:>13.1f} {ratio:>14.2f} "
-            f"{row['bytes_per_rollout']:>14}"
+            f"{row['direct_batch_s']:>15.2f} {row['remote_batch_s']:>15.2f} {row['bytes_per_rollout']:>14}"
         )
+    for length, row in record["lengths"].items():
+        # the time the path adds to one request: the batch's extra seconds, spread over its waves of requests
+        waves = record.get("requests", 32) / record.get("concurrency", 8)
+        added = (row["remote_batch_s"] - row["direct_batch_s"]) / waves
+        derived[f"added_s_per_request_{length}"] = added
+        print(f"{length} new tokens: the remote path adds {1000 * added:.0f} ms per request")
     if record["install_s"]:
         print(f"publish -> installed on the remote sampler: median {statistics.median(record['install_s']):.2f} s")
     return derived
@@ -182,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64], help="new tokens per request (16 64)")
     parser.add_argument("--requests", type=int, default=32, help="requests per measurement (32)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests at a time (8)")
+    parser.add_argument("--repeats", type=int, default=5, help="measurements per length and way; medians (5)")
     parser.add_argument("--publishes", type=int, default=3, help="versions published to time their install (3)")
     add_output_options(parser, "the measurements")
     args = parser.parse_args(argv)

@@ -27,9 +27,16 @@ from chaos import (
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
 
-@pytest.fixture(params=sorted(WEIGHT_TRANSPORTS))
+@pytest.fixture(
+    # over the relay the same path (a lost replica replaced, following the store) runs in CI in test_relay_e2e.py
+    params=[
+        pytest.param(name, marks=pytest.mark.extended) if name == "relay" else name
+        for name in sorted(WEIGHT_TRANSPORTS)
+    ]
+)
 def transport(request, tmp_path) -> tuple[str, list[str]]:
-    """Each weight transport and its overrides: the sampler fleet's behaviour must not depend on it."""
+    """Each weight transport and its overrides: the sampler fleet's behaviour must not depend on it (the relay's run
+    is in the ``extended`` tier)."""
     return request.param, WEIGHT_TRANSPORTS[request.param](tmp_path)
 
 

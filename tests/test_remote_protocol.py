@@ -89,6 +89,8 @@ def test_remote_sampler_entries_are_checked_and_tokens_come_from_the_environment
     assert duplicate_names([entry, entry, RemoteSamplerConfig(name="b", token_env="T")]) == ["dc-west.1"]
     with pytest.raises(ValueError, match="go together"):
         GatewayConfig(certfile="/etc/hostname")
+    with pytest.raises(ValueError, match="the learner does not dial remote samplers"):  # the host dials out
+        RemoteSamplerConfig(name="a", token_env="T", url="http://sampler:8000")
 
 
 # ------------------------------------------------------------------------------------------------- the proxy

@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from outage_proxy import OutageProxy
 from relay_fixtures import s3_server
 from remote_hosts import free_port, ray_with_token, start_host, stop, wait_for
 from safetensors.torch import load_file
@@ -40,6 +41,8 @@ pytestmark = [
 FP32_GAP = 1e-4
 RUN = "remote-run"
 TOKEN_ENV = "GEPO_TEST_REMOTE_TOKEN"
+#: the host's store outage budget (``--outage-s``) in the test that cuts its store
+OUTAGE_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -178,10 +181,60 @@ def assert_no_ray(pid: int) -> None:
         assert not [v for v in environment if v.startswith(b"RAY_") and v != b"RAY_CLIENT_MODE=0"], (process, command)
 
 
-def _dead(remote) -> bool:
+def _report(remote) -> dict:
     import ray
 
-    return ray.get(remote.replicas["far"].proxy.report.remote())["dead"] is not None
+    return ray.get(remote.replicas["far"].proxy.report.remote())
+
+
+def _dead(remote) -> bool:
+    return _report(remote)["dead"] is not None
+
+
+def test_a_host_that_cannot_read_its_store_says_so_and_is_declared_dead(tiny, cluster, tmp_path, monkeypatch):
+    """Its store unreachable past the outage budget while the learner publishes (as when its credentials stop
+    working): the host reports the error with its status, and the learner's side calls it dead (the fleet retires
+    it); it keeps the version it held and takes no work."""
+    from gepo_plugin.verl_glue.hetero.remote.members import RemoteSamplers
+
+    private, public = generate_pair()
+    monkeypatch.setenv("GEPO_TEST_SIGNING_KEY", private)
+    with s3_server() as (url, options):
+        hetero = settings(url, options, public, free_port(), poll_wait_s=2.0)
+        publisher = RelayPublisher(open_store(hetero.relay), RUN, hetero.relay, signer=Signer(private))
+        base = weights_of(tiny)
+        publisher.publish(0, base)
+        publisher.wait()
+        hello = {"run_id": RUN, "relay_url": url, "first_version": 0, "learner_version": 0}
+        remote = RemoteSamplers(hetero, 0, VersionWindow(first=0, latest=0), 256, 8, hello, 100_000)
+        store_link = OutageProxy.in_front_of(options["client_kwargs"]["endpoint_url"])  # the host's way to the store
+        host_options = {
+            **options,
+            "client_kwargs": {"endpoint_url": store_link.endpoint},
+            # one attempt per call (botocore retries a refused connection itself, ~10 s per call by default)
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
+        }
+        host, log = start_host(
+            remote.url, "far", cluster, public, tiny["model"], url, host_options, tmp_path,
+            extra=["--outage-s", str(OUTAGE_S)],
+        )  # fmt: skip
+        try:
+            wait_for(lambda: held_version(remote) == 0, "the host installing version 0", 600)
+            assert not _dead(remote)
+            store_link.cut()
+            publisher.publish(1, {name: tensor * 1.01 for name, tensor in base.items()})
+            publisher.wait()
+            remote.set_window(0, 1)
+            wait_for(lambda: _dead(remote), "the sampler without its store declared dead", OUTAGE_S + 60)
+            report = _report(remote)
+            assert report["status"]["error"].startswith("the store:"), report
+            assert report["status"]["version"] == 0 and report["dead"] == report["status"]["error"], report
+            assert host.poll() is None  # alive, saying why it takes no work
+        finally:
+            stop(host)
+            publisher.close()
+            store_link.close()
+    assert "(failing for" in log.read_text() and "--outage-s); it takes no work until restarted" in log.read_text()
 
 
 def test_a_host_with_a_wrong_token_is_refused_and_stops(tiny, cluster, tmp_path, monkeypatch):

@@ -100,7 +100,9 @@ class SamplerHost:
         )
         link = Link(LinkConfig(**hello.link)) if hello.link else None
         puller = RelayPuller(open_store(relay), relay.run_id, None, link, verifier=self.verifier)
-        self.follower = RelayFollower(puller, group=0, replica=0, poll_s=relay.poll_s, outage_s=relay.outage_s)
+        self.follower = RelayFollower(
+            puller, group=0, replica=0, poll_s=relay.poll_s, outage_s=relay.outage_s, outage_key="--outage-s"
+        )
         self.follower.start()
         logger.info("sampler %s: following run %s at %s", self.name, relay.run_id, relay.url)
 

@@ -66,9 +66,11 @@ class RelayFollower:
         poll_s: float = 0.5,
         outage_s: float = 600.0,
         clock=time.time,
+        outage_key: str = "hetero.relay.outage_s",
     ) -> None:
         self.puller, self.group, self.replica = puller, group, replica
         self.poll_s, self.outage_s, self.clock = poll_s, outage_s, clock
+        self.outage_key = outage_key  # the setting a message names (a sampler host's is its --outage-s)
         self._held: Held | None = None
         self._staged: dict[int, WeightBits] = {}
         self._receipts: list[Receipt] = []
@@ -129,7 +131,7 @@ class RelayFollower:
                 logger.warning("relay: replica %d of group %d could not pull: %s", self.replica, self.group, error)
                 permanent = isinstance(error, RelayStoreError) and error.permanent
                 if permanent or now - failing_since >= self.outage_s:
-                    why = "" if permanent else f" (failing for {now - failing_since:.0f} s, hetero.relay.outage_s)"
+                    why = "" if permanent else f" (failing for {now - failing_since:.0f} s, {self.outage_key})"
                     with self._lock:
                         self._error = f"{type(error).__name__}: {error}{why}"
                     return

@@ -52,6 +52,18 @@ class RemoteSamplerConfig(BaseModel):
         "link); null = its real link only",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_url(cls, given: object) -> object:
+        """The learner never dials a sampler (many sit behind NAT): say so instead of "unknown option"."""
+        if isinstance(given, dict) and "url" in given:
+            raise ValueError(
+                "url: the learner does not dial remote samplers; the sampler host dials the learner's gateway "
+                "(`python -m gepo_plugin sampler --gateway https://<learner>:<hetero.gateway.port> ...`), so it "
+                "needs no open port. Remove url and give the host the gateway's address"
+            )
+        return given
+
     def token(self) -> str:
         """The bearer token from the environment; raises ``RuntimeError`` naming the variable if it is unusable."""
         value = os.environ.get(self.token_env, "")
