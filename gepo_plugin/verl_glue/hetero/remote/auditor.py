@@ -1,0 +1,134 @@
+"""The learner's auditor of remote samplers: audited trajectories recomputed under the claimed version's weights.
+
+A Ray actor on the learner's side, beside the gateway. For each audited trajectory (chosen by the proxies with the
+run's audit key, :class:`~gepo_plugin.hetero.audit.selection.AuditSelection`) it pulls the claimed version from the
+relay like any sampler (manifests verified with the learner's public key, every tensor digest-checked; the last
+``hetero.audit.cache_versions`` versions kept), runs the model once over prompt and response in float32 (the
+log-probs verl's trainer computes, by teacher forcing), and hands the examination
+(:func:`~gepo_plugin.hetero.audit.examine.examine`) to the sampler's book
+(:class:`~gepo_plugin.hetero.audit.book.SamplerAudits`), whose sequential tests give the verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from gepo_plugin.hetero.audit.book import SamplerAudits
+from gepo_plugin.hetero.audit.examine import examine
+from gepo_plugin.hetero.audit.selection import AuditSelection
+from gepo_plugin.hetero.audit.settings import AuditConfig
+from gepo_plugin.hetero.relay.puller import Held, RelayPuller
+
+logger = logging.getLogger(__name__)
+
+
+class VersionCache:
+    """The last ``capacity`` versions the auditor recomputed with, pulled from the relay on first use."""
+
+    def __init__(self, puller: RelayPuller, capacity: int) -> None:
+        self.puller, self.capacity = puller, capacity
+        self._held: OrderedDict[int, Held] = OrderedDict()
+        self.pulls = 0
+
+    def weights(self, version: int) -> dict[str, torch.Tensor]:
+        if version not in self._held:
+            self.puller.refresh()
+            start = max((v for v in self._held if v < version), default=None)  # a delta chain from below if cached
+            result = self.puller.pull(self._held[start] if start is not None else None, target=version)
+            self._held[version] = result.held if result is not None else self._held[start]
+            self.pulls += 1
+            while len(self._held) > self.capacity:
+                self._held.popitem(last=False)
+        self._held.move_to_end(version)
+        return self._held[version].weights.to_tensors()
+
+
+class Recomputer:
+    """The policy's model in float32, one version's weights loaded at a time."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
+        self.model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, trust_remote_code=True)
+        self.model.eval()
+        self.loaded: int | None = None
+
+    def logits(self, version: int, weights: dict[str, torch.Tensor], prompt: list[int], tokens: list[int]):
+        """The logits at each response position (``(len(tokens), vocab)``), teacher-forced."""
+        if self.loaded != version:
+            self.model.load_state_dict(weights, strict=False)
+            self.loaded = version
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            return self.model(ids).logits[0, len(prompt) - 1 : -1].double()
+
+
+class RemoteAuditor:
+    """The audits of every remote sampler (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: AuditConfig,
+        puller: RelayPuller,
+        model_path: str,
+        secret: bytes,
+        tau: float | None,
+        samplers: list[str],
+    ) -> None:
+        torch.set_num_threads(1)  # one core of the learner's node: the audit is a small share of the work
+        self.config = config
+        self.selection = AuditSelection(config.fraction, secret)
+        self.versions = VersionCache(puller, config.cache_versions)
+        self.recomputer = Recomputer(model_path)
+        self.tau = tau
+        self.books = {name: SamplerAudits(name, config.alpha, config.p0) for name in samplers}
+        self.seconds = 0.0
+
+    async def audit(self, sampler: str, request: dict[str, Any], result: dict[str, Any]) -> dict | None:
+        """Examine one audited trajectory; the sampler's verdict (a dict) once it is quarantined, else None."""
+        book = self.books[sampler]
+        if book.verdict is not None:
+            return book.verdict.__dict__
+        if not result["token_ids"] or result.get("log_probs") is None:  # nothing to recompute against
+            return None
+        started = time.perf_counter()
+        tokens, version = list(result["token_ids"]), int(result["version"])
+        logits = self.recomputer.logits(version, self.versions.weights(version), list(request["prompt_ids"]), tokens)
+        seen = examine(
+            result["request_id"],
+            version,
+            logits,
+            torch.tensor(tokens),
+            torch.tensor(result["log_probs"], dtype=torch.float64),
+            self.selection.uniforms(sampler, result["request_id"], len(tokens)),
+            float(request["temperature"]),
+            int(request["top_k"]),
+            float(request["top_p"]),
+        )
+        verdict = book.record(seen, self.tau)
+        self.seconds += time.perf_counter() - started
+        if verdict is not None:
+            logger.error("hetero: %s", verdict.message())
+            return verdict.__dict__
+        return None
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "samplers": {name: book.metrics() for name, book in self.books.items()},
+            "seconds": self.seconds,
+            "version_pulls": self.versions.pulls,
+        }
+
+    def state(self) -> dict[str, Any]:
+        return {name: book.state() for name, book in self.books.items()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        for name, saved in state.items():
+            if name in self.books:
+                self.books[name].restore(saved)

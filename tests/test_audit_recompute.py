@@ -1,0 +1,131 @@
+"""The auditor end to end below Ray: real versions in a real relay store, the real tiny model, real samplers.
+
+The learner publishes two versions (signed with Ed25519) to a directory store; samplers generate with the tiny
+model itself (transformers, float32, token by token at temperature 1) and report log-probs as vLLM does. The auditor
+pulls the claimed version from the store (verified, digest-checked), recomputes by teacher forcing, and keeps each
+sampler's book: an honest sampler is never quarantined over 200 audits, and each liar of the issue is quarantined
+by the test that should catch it, within the audits stated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gepo_plugin.hetero.audit.book import LOG_PROBS, SAMPLING
+from gepo_plugin.hetero.audit.settings import AuditConfig
+from gepo_plugin.hetero.audit.thresholds import FLOAT32_TAU
+from gepo_plugin.hetero.relay.publisher import RelayPublisher
+from gepo_plugin.hetero.relay.puller import RelayPuller
+from gepo_plugin.hetero.relay.settings import RelayConfig
+from gepo_plugin.hetero.relay.signing import Signer, Verifier, generate_pair
+from gepo_plugin.hetero.relay.store import open_store
+from gepo_plugin.tiny import write_all
+from gepo_plugin.verl_glue.hetero.remote.auditor import Recomputer, RemoteAuditor
+
+RUN, LENGTH = "audit-run", 12
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A store with versions 0 and 1 of the tiny model, and the model's path."""
+    root = tmp_path_factory.mktemp("audit")
+    tiny = write_all(root / "tiny")
+    private, public = generate_pair()
+    relay = RelayConfig(url=str(root / "store"), run_id=RUN, public_key=public)
+    publisher = RelayPublisher(open_store(relay), RUN, relay, signer=Signer(private))
+    base = load_file(f"{tiny['model']}/model.safetensors")
+    base.setdefault("lm_head.weight", base["model.embed_tokens.weight"].clone())
+    torch.manual_seed(0)
+    moved = {name: tensor + 0.02 * torch.randn_like(tensor) for name, tensor in base.items()}
+    for version, weights in enumerate((base, moved)):
+        publisher.publish(version, weights)
+        publisher.wait()
+    publisher.close()
+    return {"relay": relay, "public": public, "model": tiny["model"], "weights": [base, moved]}
+
+
+def generate(model: Recomputer, draw_with, report_with, prompt: list[int], greedy: bool, generator) -> tuple:
+    """Tokens drawn (or picked greedily) under the weights ``draw_with`` at temperature 1, and their log-probs under
+    ``report_with``, as a sampler reports them (both ``(key, weights)``; an honest sampler: the same)."""
+    tokens, logprobs = [], []
+    for _ in range(LENGTH):
+        drawn = torch.log_softmax(model.logits(*draw_with, prompt, [*tokens, 0])[-1].float(), -1)
+        token = int(drawn.argmax()) if greedy else int(torch.multinomial(drawn.exp(), 1, generator=generator))
+        reported = (
+            drawn
+            if report_with[0] == draw_with[0]
+            else torch.log_softmax(model.logits(*report_with, prompt, [*tokens, 0])[-1].float(), -1)
+        )
+        tokens.append(token)
+        logprobs.append(float(reported[token]))
+    return tokens, logprobs
+
+
+def auditor_for(published, samplers: list[str]) -> RemoteAuditor:
+    puller = RelayPuller(open_store(published["relay"]), RUN, verifier=Verifier(published["public"]))
+    config = AuditConfig(enable=True, fraction=1.0)
+    return RemoteAuditor(config, puller, published["model"], secrets.token_bytes(32), FLOAT32_TAU, samplers)
+
+
+LIARS = {
+    # kind: (weights drawn with, weights reported with, greedy, change to the log-probs, replayed, the test that
+    # catches it, audits allowed)
+    "honest": ("v1", "v1", False, None, False, None, 200),
+    "stale weights claiming the newest version": ("v0", "v0", False, None, False, LOG_PROBS, 2),
+    "weights with small noise": ("noisy", "noisy", False, None, False, LOG_PROBS, 2),
+    "log-probs shifted": ("v1", "v1", False, lambda lp: [x - 0.01 for x in lp], False, LOG_PROBS, 2),
+    "log-probs scaled": ("v1", "v1", False, lambda lp: [1.02 * x for x in lp], False, LOG_PROBS, 2),
+    "an old rollout replayed for a new prompt": ("v1", "v1", False, None, True, LOG_PROBS, 4),  # the first is honest
+    "greedy decoding reported as sampling": ("v1", "v1", True, None, False, SAMPLING, 10),
+    "another model's tokens, log-probs recomputed honestly": ("other", "v1", False, None, False, SAMPLING, 40),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LIARS))
+def test_the_auditor_recomputes_the_claimed_version_and_quarantines_only_liars(published, kind):
+    draw_key, report_key, greedy, change, replayed, verdict, audits = LIARS[kind]
+    base, moved = published["weights"]
+    torch.manual_seed(5)
+    variants = {
+        "v0": base,
+        "v1": moved,
+        "noisy": {name: tensor + 1e-3 * torch.randn_like(tensor) for name, tensor in moved.items()},
+        "other": {name: tensor + 0.5 * torch.randn_like(tensor) for name, tensor in moved.items()},
+    }
+    auditor = auditor_for(published, ["far"])
+    sampler = Recomputer(published["model"])  # the sampler's own copy of the model
+    generator = torch.Generator().manual_seed(1)
+    found, old = None, None
+    for audit in range(audits):
+        prompt = [int(t) for t in torch.randint(3, 20, (5,), generator=generator)]
+        draw, report = (draw_key, variants[draw_key]), (report_key, variants[report_key])
+        tokens, logprobs = generate(sampler, draw, report, prompt, greedy, generator)
+        if replayed:  # the first rollout, sent again for every later prompt
+            old = old or (tokens, logprobs)
+            tokens, logprobs = old
+        if change is not None:
+            logprobs = change(logprobs)
+        request = {"prompt_ids": prompt, "temperature": 1.0, "top_k": -1, "top_p": 1.0}
+        result = {"request_id": f"r{audit}", "token_ids": tokens, "log_probs": logprobs, "version": 1}
+        found = asyncio.run(auditor.audit("far", request, result))
+        if found is not None:
+            break
+    report = auditor.report()["samplers"]["far"]
+    if verdict is None:
+        assert found is None and report["audits"] == audits and report["audit_failures"] == 0
+        assert report["largest_gap"] < FLOAT32_TAU / 10, report  # float32 rounding only
+    else:
+        assert found is not None and found["test"] == verdict and found["version"] == 1, (kind, found, report)
+        assert report["audits"] <= audits, report
+        if verdict == LOG_PROBS:  # never on one disagreement; at the second when every audit disagrees
+            assert report["audit_failures"] >= 2 and report["largest_gap"] > FLOAT32_TAU, report
+            assert report["audit_failures"] == 2 or replayed, report
+        else:
+            assert report["audit_failures"] == 0  # its log-probs are honest: only its sampling gives it away
+    print(f"{kind}: {report['audits']:.0f} audits, verdict {found and found['test']}")
+    assert auditor.versions.pulls == 1  # one version claimed: pulled once, then cached
