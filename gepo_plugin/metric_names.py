@@ -181,6 +181,14 @@ METRICS: tuple[Metric, ...] = (
     Metric(REMOTE + "{sampler}/unauthorised", "calls in its name with a wrong or missing token (refused)"),
     Metric(REMOTE + "{sampler}/malformed", "calls in its name whose body was not a valid message (refused)"),
     Metric(REMOTE + "unknown_sampler", "calls for a sampler name hetero.remote_samplers does not list (refused)"),
+    # the audit of remote samplers (hetero.audit), per sampler name
+    Metric(REMOTE + "{sampler}/audited", "its results selected for an audit (hetero.audit.fraction)"),
+    Metric(REMOTE + "{sampler}/audit_errors", "audits that could not run (the result was released unaudited)"),
+    Metric(REMOTE + "{sampler}/audits", "audits completed (trajectories recomputed under the claimed version)"),
+    Metric(REMOTE + "{sampler}/audit_failures", "audits whose log-probs exceeded the threshold"),
+    Metric(REMOTE + "{sampler}/largest_gap", "the largest |claimed - recomputed| log-prob over its audits"),
+    Metric(REMOTE + "{sampler}/log_e/{test}", "the log e-value of its sequential test (log_probs, sampling)"),
+    Metric(REMOTE + "{sampler}/quarantined", "1 once an audit's sequential test rejected it"),
 )
 
 

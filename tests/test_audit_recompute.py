@@ -24,10 +24,12 @@ from gepo_plugin.hetero.relay.puller import RelayPuller
 from gepo_plugin.hetero.relay.settings import RelayConfig
 from gepo_plugin.hetero.relay.signing import Signer, Verifier, generate_pair
 from gepo_plugin.hetero.relay.store import open_store
-from gepo_plugin.tiny import write_all
-from gepo_plugin.verl_glue.hetero.remote.auditor import Recomputer, RemoteAuditor
+from gepo_plugin.tiny import CHARACTERS, SPECIAL_TOKENS, write_all
+from gepo_plugin.verl_glue.hetero.remote.auditor import AuditClient, Recomputer, RemoteAuditor, SamplerQuarantined
 
 RUN, LENGTH = "audit-run", 12
+#: the tiny model's vocabulary (its embedding rows)
+VOCAB = len(SPECIAL_TOKENS) + len(CHARACTERS)
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +131,87 @@ def test_the_auditor_recomputes_the_claimed_version_and_quarantines_only_liars(p
             assert report["audit_failures"] == 0  # its log-probs are honest: only its sampling gives it away
     print(f"{kind}: {report['audits']:.0f} audits, verdict {found and found['test']}")
     assert auditor.versions.pulls == 1  # one version claimed: pulled once, then cached
+
+
+# ------------------------------------------------------------------------------------------------- in the proxy
+
+
+def disagreements_to_quarantine(passed: int, alpha: float = 1e-3, p0: float = 0.01) -> int:
+    """The rate test's closed form: after ``passed`` passing audits, the disagreements that reach 1/alpha."""
+    import numpy as np
+
+    from gepo_plugin.hetero.audit.sequential import RATE_STAKES
+
+    c = np.asarray(RATE_STAKES)
+    n = 1
+    while np.mean((1 - c) ** passed * (1 + c * (1 - p0) / p0) ** n) < 1 / alpha:
+        n += 1
+    return n
+
+
+class DirectAuditClient(AuditClient):
+    """The proxy's audit client calling the real auditor in this process instead of through its Ray handle."""
+
+    def _ask(self, request, result):
+        return self.auditor.audit(self.sampler, request, result)
+
+
+@pytest.mark.parametrize("mode", ["hold", "flag"])
+def test_the_proxy_holds_audited_results_until_they_pass_and_a_verdict_quarantines_the_sampler(published, mode):
+    """Through the proxy as verl calls it: honest results reach verl; a stale sampler's first result (one
+    disagreement) too, its second tips the verdict: with ``hold`` that result fails instead of reaching verl, then
+    the sampler is dead to the fleet (``why_dead``) and every later result fails at once."""
+    from gepo_plugin.hetero.remote.protocol import GenerateRequest, Result, SamplerStatus, VersionWindow
+    from gepo_plugin.hetero.remote.settings import GatewayConfig
+    from gepo_plugin.verl_glue.hetero.remote.proxy import RemoteSamplerProxy
+
+    base, moved = published["weights"]
+    auditor = auditor_for(published, ["far"])
+    client = DirectAuditClient("far", auditor.selection, auditor, mode=mode)
+    sampler = Recomputer(published["model"])
+    generator = torch.Generator().manual_seed(3)
+
+    async def one(proxy, key: str) -> object:
+        weights = {"v0": base, "v1": moved}[key]
+        call = asyncio.ensure_future(proxy.generate([4, 5, 6], {"temperature": 1.0, "logprobs": True}, request_id="v"))
+        work = await proxy.poll(SamplerStatus(version=1).model_dump(), wait_s=1.0)
+        request = GenerateRequest(**work["requests"][0])
+        tokens, logprobs = generate(sampler, (key, weights), (key, weights), request.prompt_ids, False, generator)
+        result = Result(request_id=request.request_id, token_ids=tokens, log_probs=logprobs, finish_reason="stop",
+                        version=1)  # fmt: skip
+        await proxy.deliver({"results": [result.model_dump()]})
+        try:
+            return await asyncio.wait_for(call, 30)
+        except Exception as error:  # what verl's agent loop would get
+            return error
+
+    async def run():
+        gateway = GatewayConfig(sampler_timeout_s=60.0, request_timeout_s=60.0)
+        proxy = RemoteSamplerProxy(
+            "far", "remote/far", gateway, VersionWindow(first=0, latest=1), VOCAB, LENGTH, client
+        )
+        honest = await one(proxy, "v1")
+        assert list(honest.token_ids) and proxy.why_dead() is None
+        lies = []  # stale weights claiming version 1: each audit disagrees
+        while proxy.why_dead() is None and len(lies) < 6:
+            lies.append(await one(proxy, "v0"))
+            if mode == "flag":  # its verdict follows its audit, after the result reached verl
+                for _ in range(200):
+                    await asyncio.sleep(0.01)
+                    if client.counters["audited"] == auditor.report()["samplers"]["far"]["audits"]:
+                        break
+        # after one passing audit, the rate test rejects at the disagreement the closed form says
+        assert len(lies) == disagreements_to_quarantine(passed=1), len(lies)
+        assert all(list(lie.token_ids) for lie in lies[:-1])  # released: no verdict yet
+        if mode == "hold":  # the result that tipped the verdict never reaches verl
+            assert isinstance(lies[-1], SamplerQuarantined), lies[-1]
+        else:
+            assert list(lies[-1].token_ids)
+        assert isinstance(proxy.why_dead(), SamplerQuarantined) and proxy.engine.errored
+        later = await one(proxy, "v1")  # even an honest-looking result now: nothing more of it is trained
+        assert isinstance(later, SamplerQuarantined), later
+        counters = (await proxy.report())["counters"]
+        assert counters["audited"] == 1 + len(lies) and counters["audit_errors"] == 0, counters  # later: not audited
+
+    asyncio.run(run())
+    assert auditor.report()["samplers"]["far"]["quarantined"] == 1.0

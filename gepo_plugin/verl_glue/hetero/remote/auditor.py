@@ -11,9 +11,12 @@ log-probs verl's trainer computes, by teacher forcing), and hands the examinatio
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,7 +24,7 @@ import torch
 from gepo_plugin.hetero.audit.book import SamplerAudits
 from gepo_plugin.hetero.audit.examine import examine
 from gepo_plugin.hetero.audit.selection import AuditSelection
-from gepo_plugin.hetero.audit.settings import AuditConfig
+from gepo_plugin.hetero.audit.settings import HOLD, AuditConfig
 from gepo_plugin.hetero.relay.puller import Held, RelayPuller
 
 logger = logging.getLogger(__name__)
@@ -132,3 +135,57 @@ class RemoteAuditor:
         for name, saved in state.items():
             if name in self.books:
                 self.books[name].restore(saved)
+
+
+class SamplerQuarantined(RuntimeError):
+    """The remote sampler was quarantined by the audit: nothing more of it is trained."""
+
+
+@dataclass
+class AuditClient:
+    """A proxy's side of the audit: which of its results are audited, and what happens to them meanwhile.
+
+    ``hold`` (the default): an audited result reaches verl only once its audit passed, so the trajectory that tips a
+    verdict is never trained; ``flag``: it reaches verl at once and is audited afterwards.
+    """
+
+    sampler: str
+    selection: AuditSelection
+    auditor: Any  # the RemoteAuditor actor's handle
+    mode: str = HOLD
+    #: the verdict's message once the sampler is quarantined
+    quarantined: str | None = None
+    counters: dict[str, float] = field(default_factory=lambda: {"audited": 0.0, "audit_errors": 0.0})
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def review(
+        self, request: dict, result: dict, release: Callable[[], None], refuse: Callable[[BaseException], None]
+    ) -> bool:
+        """Start the audit of ``result`` if it is selected; True when the audit now decides when it is released
+        (``hold``), False when the caller releases it at once."""
+        if not self.selection.audited(self.sampler, result["request_id"]) or not result["token_ids"]:
+            return False
+        self.counters["audited"] += 1
+        hold = self.mode == HOLD
+        task = asyncio.ensure_future(self._audit(request, result, release if hold else None, refuse if hold else None))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return hold
+
+    async def _audit(self, request, result, release, refuse) -> None:
+        try:
+            verdict = await self._ask(request, result)
+        except Exception as error:  # the auditor failed: counted and logged; the trajectory is not held for ever
+            self.counters["audit_errors"] += 1
+            logger.error("hetero: auditing remote sampler %r failed: %r; its result is released", self.sampler, error)
+            verdict = None
+        if verdict is not None and self.quarantined is None:
+            self.quarantined = f"remote sampler {self.sampler!r} quarantined: test {verdict['test']!r}"
+        if self.quarantined is not None:
+            if refuse is not None:
+                refuse(SamplerQuarantined(self.quarantined))
+        elif release is not None:
+            release()
+
+    def _ask(self, request: dict, result: dict) -> Awaitable[dict | None]:
+        return self.auditor.audit.remote(self.sampler, request, result)
