@@ -150,7 +150,7 @@ METRICS: tuple[Metric, ...] = (
     Metric(HETERO + "guard/relaxed", "times the guard relaxed it"),
     # the samplers: membership, failures, replacements
     Metric(HETERO + "sampler_failures", "sampler replicas retired so far"),
-    Metric(HETERO + "sampler_failures/{kind}", "retired because they died or hung"),
+    Metric(HETERO + "sampler_failures/{kind}", "retired because they died, hung or were quarantined by the audit"),
     Metric(HETERO + "sampler_replacements", "replacements that joined"),
     Metric(HETERO + "sampler_replacements/starting", "replacements still starting"),
     Metric(HETERO + "sampler_replicas_alive", "sampler replicas serving"),
@@ -184,6 +184,7 @@ METRICS: tuple[Metric, ...] = (
     # the audit of remote samplers (hetero.audit), per sampler name
     Metric(REMOTE + "{sampler}/audited", "its results selected for an audit (hetero.audit.fraction)"),
     Metric(REMOTE + "{sampler}/audit_errors", "audits that could not run (the result was released unaudited)"),
+    Metric(REMOTE + "{sampler}/audit_failed", "audited results whose log-probs disagreed (hold: not trained)"),
     Metric(REMOTE + "{sampler}/audits", "audits completed (trajectories recomputed under the claimed version)"),
     Metric(REMOTE + "{sampler}/audit_failures", "audits whose log-probs exceeded the threshold"),
     Metric(REMOTE + "{sampler}/largest_gap", "the largest |claimed - recomputed| log-prob over its audits"),

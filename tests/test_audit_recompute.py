@@ -20,12 +20,17 @@ from gepo_plugin.hetero.audit.book import LOG_PROBS, SAMPLING
 from gepo_plugin.hetero.audit.settings import AuditConfig
 from gepo_plugin.hetero.audit.thresholds import FLOAT32_TAU
 from gepo_plugin.hetero.relay.publisher import RelayPublisher
-from gepo_plugin.hetero.relay.puller import RelayPuller
 from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.signing import Signer, Verifier, generate_pair
+from gepo_plugin.hetero.relay.signing import Signer, generate_pair
 from gepo_plugin.hetero.relay.store import open_store
 from gepo_plugin.tiny import CHARACTERS, SPECIAL_TOKENS, write_all
-from gepo_plugin.verl_glue.hetero.remote.auditor import AuditClient, Recomputer, RemoteAuditor, SamplerQuarantined
+from gepo_plugin.verl_glue.hetero.remote.auditor import (
+    AuditClient,
+    AuditFailed,
+    Recomputer,
+    RemoteAuditor,
+    SamplerQuarantined,
+)
 
 RUN, LENGTH = "audit-run", 12
 #: the tiny model's vocabulary (its embedding rows)
@@ -69,9 +74,8 @@ def generate(model: Recomputer, draw_with, report_with, prompt: list[int], greed
 
 
 def auditor_for(published, samplers: list[str]) -> RemoteAuditor:
-    puller = RelayPuller(open_store(published["relay"]), RUN, verifier=Verifier(published["public"]))
     config = AuditConfig(enable=True, fraction=1.0)
-    return RemoteAuditor(config, puller, published["model"], secrets.token_bytes(32), FLOAT32_TAU, samplers)
+    return RemoteAuditor(config, published["relay"], published["model"], secrets.token_bytes(32), FLOAT32_TAU, samplers)
 
 
 LIARS = {
@@ -114,7 +118,7 @@ def test_the_auditor_recomputes_the_claimed_version_and_quarantines_only_liars(p
             logprobs = change(logprobs)
         request = {"prompt_ids": prompt, "temperature": 1.0, "top_k": -1, "top_p": 1.0}
         result = {"request_id": f"r{audit}", "token_ids": tokens, "log_probs": logprobs, "version": 1}
-        found = asyncio.run(auditor.audit("far", request, result))
+        found = asyncio.run(auditor.audit("far", request, result))["verdict"]
         if found is not None:
             break
     report = auditor.report()["samplers"]["far"]
@@ -158,9 +162,9 @@ class DirectAuditClient(AuditClient):
 
 @pytest.mark.parametrize("mode", ["hold", "flag"])
 def test_the_proxy_holds_audited_results_until_they_pass_and_a_verdict_quarantines_the_sampler(published, mode):
-    """Through the proxy as verl calls it: honest results reach verl; a stale sampler's first result (one
-    disagreement) too, its second tips the verdict: with ``hold`` that result fails instead of reaching verl, then
-    the sampler is dead to the fleet (``why_dead``) and every later result fails at once."""
+    """Through the proxy as verl calls it: honest results reach verl; a stale sampler's results disagree: with
+    ``hold`` each is refused (and the one that tips the verdict fails), with ``flag`` each reaches verl; at the
+    verdict the sampler is dead to the fleet (``why_dead``) and every later result fails at once."""
     from gepo_plugin.hetero.remote.protocol import GenerateRequest, Result, SamplerStatus, VersionWindow
     from gepo_plugin.hetero.remote.settings import GatewayConfig
     from gepo_plugin.verl_glue.hetero.remote.proxy import RemoteSamplerProxy
@@ -202,16 +206,17 @@ def test_the_proxy_holds_audited_results_until_they_pass_and_a_verdict_quarantin
                         break
         # after one passing audit, the rate test rejects at the disagreement the closed form says
         assert len(lies) == disagreements_to_quarantine(passed=1), len(lies)
-        assert all(list(lie.token_ids) for lie in lies[:-1])  # released: no verdict yet
-        if mode == "hold":  # the result that tipped the verdict never reaches verl
+        if mode == "hold":  # nothing of a failed audit reaches verl: refused before the verdict, failed at it
+            assert all(isinstance(lie, AuditFailed) for lie in lies[:-1]), lies
             assert isinstance(lies[-1], SamplerQuarantined), lies[-1]
-        else:
-            assert list(lies[-1].token_ids)
+        else:  # flagged: each reached verl; the verdict follows the audits
+            assert all(list(lie.token_ids) for lie in lies), lies
         assert isinstance(proxy.why_dead(), SamplerQuarantined) and proxy.engine.errored
         later = await one(proxy, "v1")  # even an honest-looking result now: nothing more of it is trained
         assert isinstance(later, SamplerQuarantined), later
         counters = (await proxy.report())["counters"]
         assert counters["audited"] == 1 + len(lies) and counters["audit_errors"] == 0, counters  # later: not audited
+        assert counters["audit_failed"] == len(lies) - 1, counters  # (the last one counts as the verdict)
 
     asyncio.run(run())
     assert auditor.report()["samplers"]["far"]["quarantined"] == 1.0

@@ -26,6 +26,9 @@ from gepo_plugin.hetero.audit.examine import examine
 from gepo_plugin.hetero.audit.selection import AuditSelection
 from gepo_plugin.hetero.audit.settings import HOLD, AuditConfig
 from gepo_plugin.hetero.relay.puller import Held, RelayPuller
+from gepo_plugin.hetero.relay.settings import RelayConfig
+from gepo_plugin.hetero.relay.signing import Verifier
+from gepo_plugin.hetero.relay.store import open_store
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ class RemoteAuditor:
     def __init__(
         self,
         config: AuditConfig,
-        puller: RelayPuller,
+        relay: RelayConfig,
         model_path: str,
         secret: bytes,
         tau: float | None,
@@ -87,19 +90,21 @@ class RemoteAuditor:
         torch.set_num_threads(1)  # one core of the learner's node: the audit is a small share of the work
         self.config = config
         self.selection = AuditSelection(config.fraction, secret)
+        puller = RelayPuller(open_store(relay), relay.run_id, verifier=Verifier(relay.public_key))
         self.versions = VersionCache(puller, config.cache_versions)
         self.recomputer = Recomputer(model_path)
         self.tau = tau
         self.books = {name: SamplerAudits(name, config.alpha, config.p0) for name in samplers}
         self.seconds = 0.0
 
-    async def audit(self, sampler: str, request: dict[str, Any], result: dict[str, Any]) -> dict | None:
-        """Examine one audited trajectory; the sampler's verdict (a dict) once it is quarantined, else None."""
+    async def audit(self, sampler: str, request: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+        """Examine one audited trajectory: ``{"disagreed": its log-probs exceeded the threshold, "verdict": the
+        sampler's verdict (a dict) once it is quarantined, else None}``."""
         book = self.books[sampler]
         if book.verdict is not None:
-            return book.verdict.__dict__
+            return {"disagreed": False, "verdict": book.verdict.__dict__}
         if not result["token_ids"] or result.get("log_probs") is None:  # nothing to recompute against
-            return None
+            return {"disagreed": False, "verdict": None}
         started = time.perf_counter()
         tokens, version = list(result["token_ids"]), int(result["version"])
         logits = self.recomputer.logits(version, self.versions.weights(version), list(request["prompt_ids"]), tokens)
@@ -118,8 +123,8 @@ class RemoteAuditor:
         self.seconds += time.perf_counter() - started
         if verdict is not None:
             logger.error("hetero: %s", verdict.message())
-            return verdict.__dict__
-        return None
+        disagreed = self.tau is not None and not seen.max_gap <= self.tau
+        return {"disagreed": disagreed, "verdict": verdict.__dict__ if verdict is not None else None}
 
     def report(self) -> dict[str, Any]:
         return {
@@ -141,12 +146,17 @@ class SamplerQuarantined(RuntimeError):
     """The remote sampler was quarantined by the audit: nothing more of it is trained."""
 
 
+class AuditFailed(RuntimeError):
+    """This result's log-probs disagreed with the recomputed ones (``hold``: it is not trained)."""
+
+
 @dataclass
 class AuditClient:
     """A proxy's side of the audit: which of its results are audited, and what happens to them meanwhile.
 
-    ``hold`` (the default): an audited result reaches verl only once its audit passed, so the trajectory that tips a
-    verdict is never trained; ``flag``: it reaches verl at once and is audited afterwards.
+    ``hold`` (the default): an audited result reaches verl only once its audit passed: one whose log-probs disagree
+    is refused (``refused/audit_failed``) even before the sampler's verdict, and one that tips a verdict fails, so
+    nothing of an audit that failed is trained; ``flag``: it reaches verl at once and is audited afterwards.
     """
 
     sampler: str
@@ -155,7 +165,9 @@ class AuditClient:
     mode: str = HOLD
     #: the verdict's message once the sampler is quarantined
     quarantined: str | None = None
-    counters: dict[str, float] = field(default_factory=lambda: {"audited": 0.0, "audit_errors": 0.0})
+    counters: dict[str, float] = field(
+        default_factory=lambda: {"audited": 0.0, "audit_errors": 0.0, "audit_failed": 0.0}
+    )
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
     def review(
@@ -174,18 +186,25 @@ class AuditClient:
 
     async def _audit(self, request, result, release, refuse) -> None:
         try:
-            verdict = await self._ask(request, result)
+            outcome = await self._ask(request, result)
         except Exception as error:  # the auditor failed: counted and logged; the trajectory is not held for ever
             self.counters["audit_errors"] += 1
             logger.error("hetero: auditing remote sampler %r failed: %r; its result is released", self.sampler, error)
-            verdict = None
+            outcome = {"disagreed": False, "verdict": None}
+        verdict = outcome["verdict"]
         if verdict is not None and self.quarantined is None:
             self.quarantined = f"remote sampler {self.sampler!r} quarantined: test {verdict['test']!r}"
         if self.quarantined is not None:
             if refuse is not None:
                 refuse(SamplerQuarantined(self.quarantined))
+        elif outcome["disagreed"]:
+            self.counters["audit_failed"] += 1
+            if refuse is not None:
+                refuse(AuditFailed(f"remote sampler {self.sampler!r}: request {result['request_id']} failed its audit"))
+            elif release is not None:
+                release()
         elif release is not None:
             release()
 
-    def _ask(self, request: dict, result: dict) -> Awaitable[dict | None]:
+    def _ask(self, request: dict, result: dict) -> Awaitable[dict[str, Any]]:
         return self.auditor.audit.remote(self.sampler, request, result)

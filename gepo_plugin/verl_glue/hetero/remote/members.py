@@ -13,14 +13,18 @@ proxy, so it joins again without a learner restart.
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from gepo_plugin import metric_names
+from gepo_plugin.hetero.audit.selection import AuditSelection
+from gepo_plugin.hetero.audit.thresholds import derived_tau
 from gepo_plugin.hetero.remote.protocol import VersionWindow
 from gepo_plugin.hetero.settings import HeteroSettings
+from gepo_plugin.verl_glue.hetero.remote.auditor import AuditClient, RemoteAuditor
 from gepo_plugin.verl_glue.hetero.remote.gateway import RemoteGateway
 from gepo_plugin.verl_glue.hetero.remote.proxy import RemoteSamplerProxy
 
@@ -78,6 +82,8 @@ class RemoteSamplers:
         default_max_tokens: int,
         hello: dict[str, Any],
         first_rank: int,
+        model_path: str | None = None,
+        tau: float | None = None,
     ) -> None:
         config = settings.config
         self.samplers = {sampler.name: sampler for sampler in config.remote_samplers}
@@ -95,6 +101,16 @@ class RemoteSamplers:
             .remote(config.gateway, list(config.remote_samplers), {**hello, "poll_wait_s": config.gateway.poll_wait_s})
         )
         self.url = ray.get(self.gateway.start.remote())
+        self.auditor, self._selection = None, None
+        if config.audit.enable:  # the key stays on the learner's side: proxies and auditor share it
+            secret = secrets.token_bytes(32)
+            self._selection = AuditSelection(config.audit.fraction, secret)
+            self.auditor = (
+                ray.remote(RemoteAuditor)
+                .options(**self._placement)
+                .remote(config.audit, settings.relay, model_path, secret, tau, list(self.samplers))
+            )
+        self._audit_mode = config.audit.mode
         self._next_rank = first_rank
         #: name -> its replica while it may serve or join (a retired sampler is absent until it dials again)
         self.replicas: dict[str, RemoteReplica] = {}
@@ -112,6 +128,7 @@ class RemoteSamplers:
                 self.window,
                 self.vocab_size,
                 self.default_max_tokens,
+                self._audit_client(name),
             )
         )
         ray.get(self.gateway.attach.remote(name, proxy))
@@ -119,6 +136,11 @@ class RemoteSamplers:
         self._next_rank += 1
         self.replicas[name] = replica
         return replica
+
+    def _audit_client(self, name: str) -> AuditClient | None:
+        if self.auditor is None:
+            return None
+        return AuditClient(name, self._selection, self.auditor, mode=self._audit_mode)
 
     def candidates(self, members: list[Any]) -> list[tuple[int, RemoteReplica]]:
         """``(group, replica)`` of every remote sampler that is not a member of the fleet (it may join once it
@@ -169,6 +191,10 @@ class RemoteSamplers:
             status = report.get("status")
             if status is not None and status["version"] is not None:
                 out[prefix + "version"] = float(status["version"])
+        if self.auditor is not None:
+            audits = ray.get(self.auditor.report.remote())
+            for name, values in audits["samplers"].items():
+                out.update({f"{metric_names.REMOTE}{name}/{key}": float(v) for key, v in values.items()})
         return out
 
 
@@ -179,8 +205,11 @@ def build_remote_samplers(config: Any, settings: HeteroSettings, first_group: in
     model = AutoConfig.from_pretrained(config.actor_rollout_ref.model.path, trust_remote_code=True)
     relay = settings.relay
     hello = {"run_id": relay.run_id, "relay_url": relay.url, "first_version": version, "learner_version": version}
+    rollout_dtype = str(config.actor_rollout_ref.rollout.get("dtype", "bfloat16"))
     return RemoteSamplers(
         settings,
+        model_path=config.actor_rollout_ref.model.path,
+        tau=derived_tau(rollout_dtype),
         first_group=first_group,
         window=VersionWindow(first=version, latest=version),
         vocab_size=int(getattr(model, "vocab_size", None) or model.get_text_config().vocab_size),
