@@ -254,10 +254,15 @@ class SamplerHost:
             asyncio.create_task(self._weights_loop()),
             asyncio.create_task(self._poll_loop(hello.poll_wait_s)),
         ]
+        stopped = asyncio.create_task(self._stop.wait())
         try:
-            await self._stop.wait()
+            # until stopped, or a loop ends: only by an error (the gateway refusing this sampler for good), raised here
+            done, _ = await asyncio.wait([stopped, *loops], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopped and task.exception() is not None:
+                    raise task.exception()
         finally:
-            for task in [*loops, *self._tasks]:
+            for task in [stopped, *loops, *self._tasks]:
                 task.cancel()
             if self.follower is not None:
                 self.follower.stop()

@@ -203,7 +203,7 @@ class SamplerFleet:
                 forget_replica(self.server_manager, member)
             release_resources(member)
             if is_remote(member):
-                self.remote.retired(member)
+                self.remote.retired(member, quarantined=kind == "quarantined")
             self.transport.forget(replica)
             logger.warning(
                 "hetero: retired sampler replica %d of group %d (%s, detected after %.1f s)%s",

@@ -68,6 +68,8 @@ class HeteroTrainerState:
     #: The sampler books of ``hetero.json`` at a resume: verl loads the checkpoint before it starts the samplers,
     #: and the weight sync takes these books when it is built.
     resumed_sampler_books: dict[str, Any] = field(default_factory=dict)
+    #: The remote samplers' audits of ``hetero.json`` at a resume (a quarantined sampler stays out).
+    resumed_audits: dict[str, Any] = field(default_factory=dict)
     #: Rollout server address -> sampler group label; retired and pre-resume addresses stay (their rollouts may
     #: still be trained).
     server_groups: dict[str, str] = field(default_factory=dict)
@@ -111,6 +113,7 @@ class HeteroMixin(AdvantageFieldsMixin):
             in_cluster = len(settings.group_sizes(len(self.standalone_checkpoint_manager.replicas)))
             # the version window is set when the weights first go out (the fleet's start); 0 until then
             remote = build_remote_samplers(self.config, settings, in_cluster, 0)
+            remote.restore_audits(self.hetero.resumed_audits)
         fleet = SamplerFleet(
             self.standalone_checkpoint_manager,
             settings,
@@ -220,6 +223,9 @@ class HeteroMixin(AdvantageFieldsMixin):
             "global_steps": self.global_steps,
             "replay_buffer": self._hetero_buffer().state_dict(),
             "samplers": samplers,
+            "audits": fleet.remote.audit_state()
+            if fleet is not None and fleet.remote is not None
+            else self.hetero.resumed_audits,
             "server_groups": dict(self._server_groups()),
             # the CPU rollout's modelled GPU, if any: the run's timings mean nothing without it
             "rollout_latency": _plain(OmegaConf.select(self.config, HF_ROLLOUT_LATENCY, default=None)),
@@ -229,6 +235,7 @@ class HeteroMixin(AdvantageFieldsMixin):
         self._hetero_buffer().load_state_dict(state["replay_buffer"])
         # verl loads the checkpoint before it starts the samplers: the weight sync takes these books when it is built
         self.hetero.resumed_sampler_books = state.get("samplers", {})
+        self.hetero.resumed_audits = state.get("audits", {})
         # the live servers' addresses take precedence (a new server may reuse an old address)
         self.hetero.server_groups = dict(state.get("server_groups", {}))
 

@@ -142,17 +142,34 @@ class RemoteSamplers:
             return None
         return AuditClient(name, self._selection, self.auditor, mode=self._audit_mode)
 
+    def audit_state(self) -> dict[str, Any]:
+        """The audits' books (``hetero.json``), verdicts included; empty without ``hetero.audit``."""
+        return ray.get(self.auditor.state.remote()) if self.auditor is not None else {}
+
+    def restore_audits(self, state: dict[str, Any]) -> None:
+        """A resumed run's audits: the books continue, and a sampler quarantined before stays out (403)."""
+        if self.auditor is None or not state:
+            return
+        ray.get(self.auditor.restore.remote(state))
+        for name, saved in state.items():
+            if saved.get("verdict") is not None and name in self.replicas:
+                replica = self.replicas.pop(name)
+                ray.kill(replica.proxy, no_restart=True)
+                ray.get(self.gateway.detach.remote(name, True))
+                logger.warning("hetero: remote sampler %r stays quarantined (test %r)", name, saved["verdict"]["test"])
+
     def candidates(self, members: list[Any]) -> list[tuple[int, RemoteReplica]]:
         """``(group, replica)`` of every remote sampler that is not a member of the fleet (it may join once it
         reports a version)."""
         current = {id(member) for member in members}
         return [(self.group_of[name], r) for name, r in self.replicas.items() if id(r) not in current]
 
-    def retired(self, replica: RemoteReplica) -> None:
-        """The fleet retired ``replica`` (its proxy is killed): its calls get 410 until it dials again."""
+    def retired(self, replica: RemoteReplica, quarantined: bool = False) -> None:
+        """The fleet retired ``replica`` (its proxy is killed): its calls get 410 until it dials again, or, once the
+        audit quarantined it, 403 for the rest of the run."""
         if self.replicas.get(replica.name) is replica:
             del self.replicas[replica.name]
-        ray.get(self.gateway.detach.remote(replica.name))
+        ray.get(self.gateway.detach.remote(replica.name, quarantined))
 
     def rejoin(self) -> list[str]:
         """Retired samplers that dialled in again get a new proxy; returns their names."""
