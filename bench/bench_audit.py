@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the ho
 def run(args) -> dict:
     import secrets
 
-    import torch
     from remote_hosts import CPU_ENGINE_ENV, free_port
     from safetensors.torch import load_file
 
@@ -108,7 +107,8 @@ async def _generate(engine, requests, concurrency: int):
 
 def report(record: dict) -> dict:
     derived = {}
-    print(f"\n{'new tokens':>10} {'generate s/traj':>16} {'audit s/traj':>13} {'audit/generate':>15} {'largest gap':>12}")
+    header = f"{'generate s/traj':>16} {'audit s/traj':>13} {'audit/generate':>15} {'largest gap':>12}"
+    print(f"\n{'new tokens':>10} {header}")
     for length, row in record["lengths"].items():
         ratio = row["audit_s_per_trajectory"] / row["generate_s_per_trajectory"]
         derived[f"audit_over_generate_{length}"] = ratio
