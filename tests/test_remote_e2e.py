@@ -7,7 +7,9 @@ use), verifies manifests with the learner's Ed25519 public key, and dials the le
 
 * **the bound and the books** at every step, the remote group's rollouts trained (per-group metrics), every metric
   declared; on-policy (``max_lag=0``) the rollout's log-probs agree with the learner's to float32 rounding at every
-  step (``rollout/fresh_logprob_gap``), the remote group's tokens included;
+  step (``rollout/fresh_logprob_gap``): the in-cluster group's installs from the store from the first step, the
+  remote group's tokens included once it joined (this run also does what the relay-to-vLLM run of
+  ``tests/test_vllm_e2e.py`` checks on-policy, which is in the ``extended`` tier);
 * **faults**: the remote host SIGKILLed mid-run (retired as died, its requests counted, the run goes on with the
   in-cluster group), started again (it rejoins from the newest keyframe without a learner restart and its rollouts
   are trained again); then its network cut (a TCP proxy between host and gateway) for longer than the gateway's
@@ -120,8 +122,8 @@ def test_gepo_with_a_remote_sampler_beside_an_in_cluster_one_on_policy(tiny, tmp
     check_every_step(logged, 0)
     trained = remote_trained(logged)
     assert len(trained) >= TRAINED_STEPS, host_log.read_text()[-3000:]
-    for step in range(trained[0], steps[-1] + 1):  # from its first, every step agrees with the learner
-        m = logged[step]
+    for step in steps:  # every step agrees with the learner: the in-cluster group's installs from the store, and
+        m = logged[step]  # from its first trained step the remote group's too
         assert m[f"{GAP}tokens"] > 0 and math.isfinite(m[f"{GAP}max"]), (step, m)
         # to float32 rounding with the FSDP learner; verl's Megatron engine computes in bf16 (on a CPU too), so its
         # log-probs differ from the float32 vLLM's by bf16 rounding for in-cluster and remote samplers alike
@@ -129,6 +131,10 @@ def test_gepo_with_a_remote_sampler_beside_an_in_cluster_one_on_policy(tiny, tmp
     last = logged[steps[-1]]
     assert last["hetero/remote/far/results"] > 0 and last["hetero/remote/far/version"] >= trained[0] - 1
     assert not any(key.startswith("hetero/remote/far/refused/") for key in last)  # an honest sampler: none refused
+    # every version went through the store, pulled by the in-cluster sampler with every digest checked
+    assert last["hetero/relay/versions_published"] >= steps[-1] - 1, last
+    assert last["hetero/relay/samplers/versions_pulled"] >= 1, last
+    assert last.get("hetero/relay/samplers/digest_mismatches", 0) == 0, last
     assert last.get("hetero/sampler_failures", 0) == 0, last  # and never taken for lost
     assert ("'strategy': 'megatron'" in log.read_text()) == (learner == "megatron")  # the learner asked for ran
 

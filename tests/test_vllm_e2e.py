@@ -314,6 +314,9 @@ def test_heterorl_with_two_vllm_samplers_keeps_the_lag_bound_and_survives_a_kill
 
 
 @needs_gpus(3)
+# the same on-policy check of relay installs into verl's vLLM runs in CI in tests/test_remote_e2e.py (beside a remote
+# sampler); this run adds a second in-cluster group, a clean end and /dev/shm left as found
+@pytest.mark.extended
 def test_the_relay_feeds_two_vllm_samplers_and_every_install_is_the_learners_version(tiny_vllm, tmp_path):
     """On-policy (``max_lag=0``): every trained response comes from the version the learner holds, so every
     step's batch checks what vLLM installed from the store against the learner's own log-probs."""
