@@ -156,8 +156,8 @@ def disagreements_to_quarantine(passed: int, alpha: float = 1e-3, p0: float = 0.
 class DirectAuditClient(AuditClient):
     """The proxy's audit client calling the real auditor in this process instead of through its Ray handle."""
 
-    def _ask(self, request, result):
-        return self.auditor.audit(self.sampler, request, result)
+    def _ask(self, request, result, dtype):
+        return self.auditor.audit(self.sampler, request, result, dtype)
 
 
 @pytest.mark.parametrize("mode", ["hold", "flag"])
@@ -220,3 +220,21 @@ def test_the_proxy_holds_audited_results_until_they_pass_and_a_verdict_quarantin
 
     asyncio.run(run())
     assert auditor.report()["samplers"]["far"]["quarantined"] == 1.0
+
+
+def test_the_threshold_follows_the_dtype_each_sampler_reports(published):
+    """Without ``hetero.audit.tau``: a float32 sampler is held to 1e-4; one in bf16 (or one that does not say) is not
+    held to float32's threshold: the rate test waits, the PIT test runs."""
+    config = AuditConfig(enable=True, fraction=1.0)
+    auditor = RemoteAuditor(config, published["relay"], published["model"], secrets.token_bytes(32), None, ["far"])
+    assert auditor.tau_for("float32") == FLOAT32_TAU
+    assert auditor.tau_for("bfloat16") is None and auditor.tau_for(None) is None
+    sampler = Recomputer(published["model"])
+    generator = torch.Generator().manual_seed(4)
+    prompt = [5, 6, 7]
+    tokens, logprobs = generate(sampler, ("v0", published["weights"][0]), ("v0", published["weights"][0]), prompt,
+                                False, generator)  # fmt: skip
+    request = {"prompt_ids": prompt, "temperature": 1.0, "top_k": -1, "top_p": 1.0}
+    result = {"request_id": "r0", "token_ids": tokens, "log_probs": logprobs, "version": 1}  # stale: off by ~1e-2
+    assert asyncio.run(auditor.audit("far", request, result, "bfloat16"))["disagreed"] is False
+    assert asyncio.run(auditor.audit("far", request, {**result, "request_id": "r1"}, "float32"))["disagreed"] is True

@@ -227,7 +227,6 @@ def test_a_resumed_run_keeps_a_quarantined_sampler_out_and_its_audit_books_conti
     """What ``hetero.json`` carried (a sampler's audits, its verdict) restored into a new run's remote samplers: the
     books are the auditor's again, and the quarantined sampler is refused before it can join."""
     from gepo_plugin.hetero.audit.book import LOG_PROBS, SamplerAudits, Verdict
-    from gepo_plugin.hetero.audit.thresholds import FLOAT32_TAU
     from gepo_plugin.tiny import write_all
     from gepo_plugin.verl_glue.hetero.remote.members import RemoteSamplers
 
@@ -246,7 +245,7 @@ def test_a_resumed_run_keeps_a_quarantined_sampler_out_and_its_audit_books_conti
     )
     hello = {"run_id": "r", "relay_url": str(tmp_path), "first_version": 0, "learner_version": 0}
     window = VersionWindow(first=0, latest=0)
-    remote = RemoteSamplers(hetero, 0, window, 100, 8, hello, 100_000, model_path=tiny["model"], tau=FLOAT32_TAU)
+    remote = RemoteSamplers(hetero, 0, window, 100, 8, hello, 100_000, model_path=tiny["model"])
     saved = SamplerAudits("far", 1e-3, 0.01)
     saved.audits, saved.failures, saved.largest_gap = 2, 2, 0.01
     saved.verdict = Verdict("far", LOG_PROBS, 3, "r9", 7.2, 6.9, 2)

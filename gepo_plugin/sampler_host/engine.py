@@ -103,6 +103,8 @@ class VLLMEngine:
         self.request_timeout_s = request_timeout_s
         self.model: str | None = None
         self.version = ""
+        #: the dtype the server computes in (read from it at :meth:`check`)
+        self.dtype: str | None = None
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
@@ -191,6 +193,9 @@ class VLLMEngine:
         config = info.get("vllm_config", info)
         if isinstance(config, str):
             config = json.loads(config)
+        model_config = _find(config, "model_config")
+        dtype = _find(model_config if isinstance(model_config, dict) else config, "dtype")
+        self.dtype = str(dtype).removeprefix("torch.") if dtype is not None else None  # what the audit's tau needs
         mode = _find(config, "logprobs_mode")
         if mode != LOGPROBS_MODE:
             raise EngineError(

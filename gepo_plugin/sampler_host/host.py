@@ -124,6 +124,7 @@ class SamplerHost:
             in_flight=self._running,
             error=self.error,
             engine=f"vllm {self.engine.version}",
+            dtype=self.engine.dtype,
             counters=dict(self.counters),
         )
 

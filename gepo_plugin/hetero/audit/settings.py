@@ -44,6 +44,13 @@ class AuditConfig(BaseModel):
         allow_inf_nan=False,
         description="the share of an honest sampler's audits whose log-probs may exceed the threshold",
     )
+    tau: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="the largest |claimed - recomputed| log-prob of an honest audit; null = from the dtype each "
+        "sampler reports (float32: 1e-4) or, in bf16, calibrated",
+    )
     mode: Literal["hold", "flag"] = Field(
         HOLD,
         description="hold: an audited trajectory reaches training only after its audit passed (a liar's evidence "

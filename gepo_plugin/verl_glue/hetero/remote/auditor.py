@@ -25,6 +25,7 @@ from gepo_plugin.hetero.audit.book import SamplerAudits
 from gepo_plugin.hetero.audit.examine import examine
 from gepo_plugin.hetero.audit.selection import AuditSelection
 from gepo_plugin.hetero.audit.settings import HOLD, AuditConfig
+from gepo_plugin.hetero.audit.thresholds import derived_tau
 from gepo_plugin.hetero.relay.puller import Held, RelayPuller
 from gepo_plugin.hetero.relay.settings import RelayConfig
 from gepo_plugin.hetero.relay.signing import Verifier
@@ -97,9 +98,17 @@ class RemoteAuditor:
         self.books = {name: SamplerAudits(name, config.alpha, config.p0) for name in samplers}
         self.seconds = 0.0
 
-    async def audit(self, sampler: str, request: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
-        """Examine one audited trajectory: ``{"disagreed": its log-probs exceeded the threshold, "verdict": the
-        sampler's verdict (a dict) once it is quarantined, else None}``."""
+    def tau_for(self, dtype: str | None) -> float | None:
+        """The disagreement threshold for a sampler computing in ``dtype``: ``hetero.audit.tau`` if set, else derived
+        from the dtype (float32), else None (not known yet: the rate test waits, the PIT test runs)."""
+        return self.tau if self.tau is not None else derived_tau(dtype or "")
+
+    async def audit(
+        self, sampler: str, request: dict[str, Any], result: dict[str, Any], dtype: str | None = None
+    ) -> dict[str, Any]:
+        """Examine one audited trajectory (``dtype``: what the sampler reports its engine computes in):
+        ``{"disagreed": its log-probs exceeded the threshold, "verdict": the sampler's verdict (a dict) once it is
+        quarantined, else None}``."""
         book = self.books[sampler]
         if book.verdict is not None:
             return {"disagreed": False, "verdict": book.verdict.__dict__}
@@ -119,11 +128,12 @@ class RemoteAuditor:
             int(request["top_k"]),
             float(request["top_p"]),
         )
-        verdict = book.record(seen, self.tau)
+        tau = self.tau_for(dtype)
+        verdict = book.record(seen, tau)
         self.seconds += time.perf_counter() - started
         if verdict is not None:
             logger.error("hetero: %s", verdict.message())
-        disagreed = self.tau is not None and not seen.max_gap <= self.tau
+        disagreed = tau is not None and not seen.max_gap <= tau
         return {"disagreed": disagreed, "verdict": verdict.__dict__ if verdict is not None else None}
 
     def report(self) -> dict[str, Any]:
@@ -171,7 +181,12 @@ class AuditClient:
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
     def review(
-        self, request: dict, result: dict, release: Callable[[], None], refuse: Callable[[BaseException], None]
+        self,
+        request: dict,
+        result: dict,
+        release: Callable[[], None],
+        refuse: Callable[[BaseException], None],
+        dtype: str | None = None,
     ) -> bool:
         """Start the audit of ``result`` if it is selected; True when the audit now decides when it is released
         (``hold``), False when the caller releases it at once."""
@@ -179,14 +194,16 @@ class AuditClient:
             return False
         self.counters["audited"] += 1
         hold = self.mode == HOLD
-        task = asyncio.ensure_future(self._audit(request, result, release if hold else None, refuse if hold else None))
+        task = asyncio.ensure_future(
+            self._audit(request, result, dtype, release if hold else None, refuse if hold else None)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return hold
 
-    async def _audit(self, request, result, release, refuse) -> None:
+    async def _audit(self, request, result, dtype, release, refuse) -> None:
         try:
-            outcome = await self._ask(request, result)
+            outcome = await self._ask(request, result, dtype)
         except Exception as error:  # the auditor failed: counted and logged; the trajectory is not held for ever
             self.counters["audit_errors"] += 1
             logger.error("hetero: auditing remote sampler %r failed: %r; its result is released", self.sampler, error)
@@ -206,5 +223,5 @@ class AuditClient:
         elif release is not None:
             release()
 
-    def _ask(self, request: dict, result: dict) -> Awaitable[dict[str, Any]]:
-        return self.auditor.audit.remote(self.sampler, request, result)
+    def _ask(self, request: dict, result: dict, dtype: str | None) -> Awaitable[dict[str, Any]]:
+        return self.auditor.audit.remote(self.sampler, request, result, dtype)

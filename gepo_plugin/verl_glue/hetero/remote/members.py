@@ -21,7 +21,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from gepo_plugin import metric_names
 from gepo_plugin.hetero.audit.selection import AuditSelection
-from gepo_plugin.hetero.audit.thresholds import derived_tau
 from gepo_plugin.hetero.remote.protocol import VersionWindow
 from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue.hetero.remote.auditor import AuditClient, RemoteAuditor
@@ -83,7 +82,6 @@ class RemoteSamplers:
         hello: dict[str, Any],
         first_rank: int,
         model_path: str | None = None,
-        tau: float | None = None,
     ) -> None:
         config = settings.config
         self.samplers = {sampler.name: sampler for sampler in config.remote_samplers}
@@ -108,7 +106,7 @@ class RemoteSamplers:
             self.auditor = (
                 ray.remote(RemoteAuditor)
                 .options(**self._placement)
-                .remote(config.audit, settings.relay, model_path, secret, tau, list(self.samplers))
+                .remote(config.audit, settings.relay, model_path, secret, config.audit.tau, list(self.samplers))
             )
         self._audit_mode = config.audit.mode
         self._next_rank = first_rank
@@ -222,11 +220,9 @@ def build_remote_samplers(config: Any, settings: HeteroSettings, first_group: in
     model = AutoConfig.from_pretrained(config.actor_rollout_ref.model.path, trust_remote_code=True)
     relay = settings.relay
     hello = {"run_id": relay.run_id, "relay_url": relay.url, "first_version": version, "learner_version": version}
-    rollout_dtype = str(config.actor_rollout_ref.rollout.get("dtype", "bfloat16"))
     return RemoteSamplers(
         settings,
         model_path=config.actor_rollout_ref.model.path,
-        tau=derived_tau(rollout_dtype),
         first_group=first_group,
         window=VersionWindow(first=version, latest=version),
         vocab_size=int(getattr(model, "vocab_size", None) or model.get_text_config().vocab_size),

@@ -339,6 +339,7 @@ class RemoteSamplerProxy:
                 result.model_dump(),
                 release=lambda p=pending, r=result: p.future.done() or p.future.set_result(r),
                 refuse=lambda error, p=pending: p.future.done() or p.future.set_exception(error),
+                dtype=self.status.dtype if self.status is not None else None,
             ):
                 pending.future.set_result(result)
         return {"accepted": accepted, "refused": len(results) - accepted}
