@@ -36,7 +36,7 @@ from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
 from gepo_plugin import metric_names
-from gepo_plugin.hetero.core import FAILED, OVERFLOW, STALENESS_REASONS, StalenessCore
+from gepo_plugin.hetero.core import OVERFLOW, STALENESS_REASONS, StalenessCore
 from gepo_plugin.hetero.drop_bias import DROPPED_STEP
 from gepo_plugin.hetero.drop_bias import totals as drop_totals
 from gepo_plugin.hetero.lags import lag_summary
@@ -139,7 +139,7 @@ class HeteroReplayBuffer(ReplayBufferAsync):
             return super()._terminal_eviction_reasons(global_steps, partition_id)
         self._report_terminal_groups(partition_id)
         self._evicting = self.core.evictions(learner_version(global_steps))
-        failed = {uid for uid, reason in self._evicting.items() if reason == FAILED}
+        failed = set(self._evicting) & self.core.failed_ids  # (failed, or quarantined after failing)
         evicted = set(self._evicting) - failed
         overflow = sum(reason == OVERFLOW for reason in self._evicting.values())
         if overflow:
