@@ -42,6 +42,7 @@ from gepo_plugin.hetero.drop_bias import totals as drop_totals
 from gepo_plugin.hetero.lags import lag_summary
 from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue import replay_wait, seam
+from gepo_plugin.verl_glue.hetero.server_identity import server_of
 from gepo_plugin.verl_glue.weight_versions import learner_version
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,10 @@ class HeteroReplayBuffer(ReplayBufferAsync):
         #: called while the learner waits for data (the delayed weight sync installs due arrivals).
         self.on_poll: Callable[[], None] | None = None
         self._last_sample_end: float | None = None
+        #: server addresses of samplers the audit quarantined (the fleet adds them when it retires one): groups with a
+        #: trajectory of theirs are evicted as ``quarantined``
+        self.quarantined_servers: set[str] = set()
+        self._quarantine_scanned: set[str] = set()
 
     def attach(self, settings: HeteroSettings) -> None:
         """Take the run's ``hetero`` settings (parsed once, by the trainer) and build the staleness core from them."""
@@ -118,6 +123,8 @@ class HeteroReplayBuffer(ReplayBufferAsync):
             self.core.finished(uid, *versions[uid], submitted=self._submitted(partition_id, uid))
         for uid in sorted(failed):
             self.core.failed(uid, submitted=self._submitted(partition_id, uid))
+        if self.quarantined_servers:
+            self._quarantine_groups(partition_id, set(versions))
         if self._resumed_check_pending:
             self._resumed_check_pending = False
             missing = self.core.reconcile(self.finished_keys[partition_id] | self.failure_keys[partition_id])
@@ -127,6 +134,23 @@ class HeteroReplayBuffer(ReplayBufferAsync):
                     "dropped (missing_after_resume)",
                     len(missing),
                 )
+
+    def _quarantine_groups(self, partition_id: str, new: set[str]) -> None:
+        """Groups with a trajectory of a quarantined sampler go to the core as quarantined: the groups that finished
+        now and, when a sampler was quarantined since the last scan, every queued one (their servers are read from
+        TransferQueue only then: a quarantine is rare)."""
+        fresh = self.quarantined_servers - self._quarantine_scanned
+        uids = set(self.core.queued) if fresh else new
+        self._quarantine_scanned |= fresh
+        keys = [key for key in self.partitions[partition_id] if uid_of(key) in uids]
+        if not keys:
+            return
+        extras = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])["extra_fields"]
+        servers = self.quarantined_servers
+        hit = {uid_of(key) for key, extra in zip(keys, extras, strict=True) if server_of(extra) in servers}
+        if hit:
+            self.core.quarantine(hit)
+            logger.warning("hetero: %d queued group(s) hold rollouts of a quarantined sampler: dropped", len(hit))
 
     def _in_flight(self, partition_id: str) -> dict[str, int]:
         """In-flight groups and the step each was submitted at."""

@@ -42,7 +42,7 @@ from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
 from gepo_plugin.verl_glue.hetero.fleet import SamplerFleet
 from gepo_plugin.verl_glue.hetero.relay_transport import RelayTransport
 from gepo_plugin.verl_glue.hetero.remote.members import build_remote_samplers
-from gepo_plugin.verl_glue.hetero.server_identity import SERVER_ID
+from gepo_plugin.verl_glue.hetero.server_identity import server_of
 from gepo_plugin.verl_glue.hetero.simulated_transport import SimulatedTransport
 from gepo_plugin.verl_glue.hetero.transport import WeightTransport
 from gepo_plugin.verl_glue.response_terms import RESPONSE_LAG
@@ -125,6 +125,7 @@ class HeteroMixin(AdvantageFieldsMixin):
         self.standalone_checkpoint_manager = fleet
         fleet.roster.load_state_dict(self.hetero.resumed_sampler_books)
         buffer.on_poll = fleet.poll
+        buffer.quarantined_servers = fleet.quarantined_servers  # one set: the fleet adds, the buffer reads
 
     def _fleet(self) -> SamplerFleet | None:
         fleet = getattr(self, "standalone_checkpoint_manager", None)
@@ -197,7 +198,7 @@ class HeteroMixin(AdvantageFieldsMixin):
         if not real:
             return {}
         extras = list(extra_fields)
-        servers = [_server_of(extras[i], SERVER_ID) for i in real]
+        servers = [server_of(extras[i]) for i in real]
         if all(server is None for server in servers):
             return {}
         groups = self._server_groups()
@@ -271,11 +272,6 @@ class HeteroMixin(AdvantageFieldsMixin):
             ledger["trained"],
         )
         return None
-
-
-def _server_of(extra: Any, key: str) -> str | None:
-    """The server id in one rollout's ``extra_fields`` (a dict, or a NonTensorData around one), if reported."""
-    return getattr(extra, "data", extra).get(key) if extra is not None else None
 
 
 def _plain(node: Any) -> Any:
