@@ -108,6 +108,9 @@ def run(args) -> dict:
                         tokens, seconds = asyncio.run(_remote(proxy, prompts, params, args.concurrency))
                     row.setdefault(way, []).append(tokens / seconds)
                     row.setdefault(f"{way}_s", []).append(seconds)
+                if warming:
+                    warming = False
+                    continue
                 request = GenerateRequest(request_id="x" * 36, prompt_ids=prompts[0], max_tokens=length)
                 result = Result(
                     request_id="x" * 36,
@@ -116,9 +119,6 @@ def run(args) -> dict:
                     finish_reason="stop",
                     version=0,
                 )
-                if warming:
-                    warming = False
-                    continue
                 record["lengths"][length] = {
                     "direct_tokens_per_s": statistics.median(row["direct"]),
                     "remote_tokens_per_s": statistics.median(row["remote"]),
@@ -179,6 +179,7 @@ def report(record: dict) -> dict:
         f"\n{'new tokens':>10} {'direct tok/s':>13} {'remote tok/s':>13} {'remote/direct':>14} "
         f"{'batch direct s':>15} {'batch remote s':>15} {'bytes/rollout':>14}"
     )
+    waves = record["requests"] / record["concurrency"]  # a batch's requests, as many at a time as allowed
     for length, row in record["lengths"].items():
         ratio = row["remote_tokens_per_s"] / row["direct_tokens_per_s"]
         derived[f"ratio_{length}"] = ratio
@@ -188,7 +189,6 @@ def report(record: dict) -> dict:
         )
     for length, row in record["lengths"].items():
         # the time the path adds to one request: the batch's extra seconds, spread over its waves of requests
-        waves = record.get("requests", 32) / record.get("concurrency", 8)
         added = (row["remote_batch_s"] - row["direct_batch_s"]) / waves
         derived[f"added_s_per_request_{length}"] = added
         print(f"{length} new tokens: the remote path adds {1000 * added:.0f} ms per request")
