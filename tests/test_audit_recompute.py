@@ -217,6 +217,8 @@ def test_the_proxy_holds_audited_results_until_they_pass_and_a_verdict_quarantin
         counters = (await proxy.report())["counters"]
         assert counters["audited"] == 1 + len(lies) and counters["audit_errors"] == 0, counters  # later: not audited
         assert counters["audit_failed"] == len(lies) - 1, counters  # (the last one counts as the verdict)
+        # failed for the quarantine: the one that tipped the verdict (hold) and the one answered after it
+        assert counters["cut_by_quarantine"] == (2 if mode == "hold" else 1), counters
 
     asyncio.run(run())
     assert auditor.report()["samplers"]["far"]["quarantined"] == 1.0
@@ -238,3 +240,57 @@ def test_the_threshold_follows_the_dtype_each_sampler_reports(published):
     result = {"request_id": "r0", "token_ids": tokens, "log_probs": logprobs, "version": 1}  # stale: off by ~1e-2
     assert asyncio.run(auditor.audit("far", request, result, "bfloat16"))["disagreed"] is False
     assert asyncio.run(auditor.audit("far", request, {**result, "request_id": "r1"}, "float32"))["disagreed"] is True
+
+
+def test_a_bf16_sampler_is_held_to_a_threshold_calibrated_on_the_runs_trusted_rollouts(published):
+    """bf16: the in-cluster sampler's rollouts (trusted, same dtype) calibrate the threshold as the trainer hands them
+    over; until there are enough the rate test waits. Then an honest bf16 sampler passes 200 audits and one that
+    shifts its log-probs by ten times the threshold is quarantined at its second audit; the calibration survives a
+    resume."""
+    from gepo_plugin.hetero.audit.thresholds import trusted_needed
+    from gepo_plugin.verl_glue.hetero.remote.auditor import TRUSTED
+
+    config = AuditConfig(enable=True, fraction=1.0)
+
+    def build() -> RemoteAuditor:  # no hetero.audit.tau: the threshold follows each sampler's dtype
+        return RemoteAuditor(config, published["relay"], published["model"], b"k" * 32, None, ["honest", "liar"])
+
+    auditor = build()
+    needed = trusted_needed(config.p0, config.calibration_confidence)
+    assert auditor.calibrating("bf16") == needed == 459 and auditor.tau_for("torch.bfloat16") is None
+    assert auditor.calibrating("float32") == 0  # derived, never calibrated
+    engine = Recomputer(published["model"])
+    engine.model.to(torch.bfloat16)  # a bf16 engine: the weights are rounded when they are loaded
+    moved = ("v1", published["weights"][1])
+    generator = torch.Generator().manual_seed(9)
+
+    def rollout(i: int) -> dict:
+        prompt = [int(t) for t in torch.randint(3, 20, (5,), generator=generator)]
+        tokens, logprobs = generate(engine, moved, moved, prompt, False, generator)
+        return {"request_id": f"t{i}", "prompt_ids": prompt, "token_ids": tokens, "log_probs": logprobs,
+                "version": 1, "temperature": 1.0, "top_k": -1, "top_p": 1.0}  # fmt: skip
+
+    trusted = [rollout(i) for i in range(needed + 20)]
+    assert auditor.calibrate("bfloat16", trusted[:100]) == needed - 100 and auditor.tau_for("bf16") is None
+    assert auditor.calibrate("bfloat16", trusted[100:]) == 0  # the 20 beyond the need are not recomputed
+    gaps = auditor.trusted["bfloat16"]
+    tau = auditor.tau_for("bfloat16")
+    assert len(gaps) == needed and tau == config.calibration_margin * max(gaps)
+    assert tau > 10 * FLOAT32_TAU, tau  # bf16 rounding, far above float32's
+    for i in range(200):
+        seen = rollout(1000 + i)
+        outcome = asyncio.run(auditor.audit("honest", seen, seen, "bfloat16"))
+        assert outcome["verdict"] is None, (i, outcome)
+    assert auditor.report()["samplers"]["honest"]["audits"] == 200
+    for i in range(2):
+        seen = rollout(2000 + i)
+        lie = {**seen, "log_probs": [x - 10 * tau for x in seen["log_probs"]]}
+        outcome = asyncio.run(auditor.audit("liar", seen, lie, "bfloat16"))
+    assert outcome["verdict"] is not None and outcome["verdict"]["test"] == LOG_PROBS, outcome
+    report = auditor.report()["calibration"]["bfloat16"]
+    assert report == {"trusted": float(needed), "tau": tau}
+    resumed = build()
+    resumed.restore(auditor.state())
+    assert resumed.tau_for("bfloat16") == tau and resumed.calibrating("bfloat16") == 0
+    assert set(auditor.state()) == {"honest", "liar", TRUSTED}
+    print(f"bf16 calibrated tau {tau:.3g} (largest trusted gap {max(gaps):.3g})")

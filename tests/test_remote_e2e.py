@@ -9,7 +9,8 @@ use), verifies manifests with the learner's Ed25519 public key, and dials the le
   declared; on-policy (``max_lag=0``) the rollout's log-probs agree with the learner's to float32 rounding at every
   step (``rollout/fresh_logprob_gap``): the in-cluster group's installs from the store from the first step, the
   remote group's tokens included once it joined (this run also does what the relay-to-vLLM run of
-  ``tests/test_vllm_e2e.py`` checks on-policy, which is in the ``extended`` tier);
+  ``tests/test_vllm_e2e.py`` checks on-policy, which is in the ``extended`` tier); every remote trajectory is
+  audited (``hetero.audit``, fraction 1, hold): the honest sampler passes every audit with float32 rounding's gap;
 * **faults**: the remote host SIGKILLed mid-run (retired as died, its requests counted, the run goes on with the
   in-cluster group), started again (it rejoins from the newest keyframe without a learner restart and its rollouts
   are trained again); then its network cut (a TCP proxy between host and gateway) for longer than the gateway's
@@ -47,6 +48,8 @@ REMOTE_GROUP = 1
 TIMEOUT_S = 6
 #: steps at which the remote group's rollouts must have been trained before the on-policy run is stopped
 TRAINED_STEPS = 8
+#: ``hetero.audit`` on every remote trajectory, held until it passes
+AUDIT_EVERYTHING = ("hetero.audit.enable=true", "hetero.audit.fraction=1.0")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,8 @@ def test_gepo_with_a_remote_sampler_beside_an_in_cluster_one_on_policy(tiny, tmp
     token, public = keys
     port = free_port()
     with s3_server() as (url, options):
-        overrides = remote_overrides(tiny, tmp_path, 400, 0, url, options, public, port)
+        # every remote trajectory audited (hold): an honest sampler passes every audit, its results reach training
+        overrides = [*remote_overrides(tiny, tmp_path, 400, 0, url, options, public, port), *AUDIT_EVERYTHING]
         if learner == "megatron":  # megatron-core in float32 on the CPU (the CPU backend's setting)
             overrides = [o for o in overrides if "actor.fsdp_config." not in o] + [MEGATRON]
         process, metrics, log = start(overrides, tmp_path / "run")
@@ -131,6 +135,11 @@ def test_gepo_with_a_remote_sampler_beside_an_in_cluster_one_on_policy(tiny, tmp
     last = logged[steps[-1]]
     assert last["hetero/remote/far/results"] > 0 and last["hetero/remote/far/version"] >= trained[0] - 1
     assert not any(key.startswith("hetero/remote/far/refused/") for key in last)  # an honest sampler: none refused
+    audits = {key.removeprefix("hetero/remote/far/"): v for key, v in last.items() if key.startswith("hetero/remote/")}
+    assert audits["audits"] >= 1 and audits["audit_failures"] == 0 and audits["quarantined"] == 0, audits
+    assert audits["audited"] == audits["results"] and audits["audit_errors"] == 0, audits  # fraction 1: every one
+    assert audits["largest_gap"] < FP32_GAP, audits  # float32 rounding: vLLM's CPU build against the auditor
+    print("honest audits:", {k: v for k, v in audits.items() if "audit" in k or "log_e" in k or "gap" in k})
     # every version went through the store, pulled by the in-cluster sampler with every digest checked
     assert last["hetero/relay/versions_published"] >= steps[-1] - 1, last
     assert last["hetero/relay/samplers/versions_pulled"] >= 1, last

@@ -59,6 +59,13 @@ class AuditConfig(BaseModel):
     cache_versions: StrictInt = Field(
         2, ge=1, description="weight versions the auditor keeps in memory (a version claimed again is not pulled again)"
     )
+    num_gpus: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="GPUs the auditor's Ray actor asks for (it recomputes on the GPU when it has one; 0 = one CPU "
+        "thread on the learner's node, enough for small models)",
+    )
     calibration_confidence: float = Field(
         0.99,
         gt=0,

@@ -26,13 +26,22 @@ from collections.abc import Sequence
 
 #: ``tau`` with float32 on both sides (see the module docstring).
 FLOAT32_TAU = 1e-4
-#: The dtypes whose ``tau`` is derived, not calibrated.
-DERIVED = {"float32": FLOAT32_TAU, "fp32": FLOAT32_TAU}
+#: The dtypes whose ``tau`` is derived, not calibrated (canonical names, :func:`canonical_dtype`).
+DERIVED = {"float32": FLOAT32_TAU}
+#: Other spellings of a dtype (verl's configs, vLLM's ``--dtype``, torch's names).
+ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
-def derived_tau(dtype: str) -> float | None:
-    """``tau`` for a run whose learner and samplers both compute in ``dtype``; None where it must be calibrated."""
-    return DERIVED.get(dtype)
+def canonical_dtype(dtype: str | None) -> str:
+    """One name per dtype, whoever wrote it (``torch.bfloat16``, ``bf16`` and ``bfloat16`` are one)."""
+    name = str(dtype or "").removeprefix("torch.").lower()
+    return ALIASES.get(name, name)
+
+
+def derived_tau(dtype: str | None) -> float | None:
+    """``tau`` for a sampler computing in ``dtype`` (the auditor recomputes in float32); None where it must be
+    calibrated."""
+    return DERIVED.get(canonical_dtype(dtype))
 
 
 def trusted_needed(p0: float, confidence: float) -> int:

@@ -261,7 +261,9 @@ class RelayTransport:
         installed = []
         live = {member: replica for member, replica in self.remote_members.items() if member in self.fleet.members}
         reports = self._remote_reports(live)
-        self.remote_reports = {live[member].name: report for member, report in reports.items()}
+        # a retired sampler's last report stays: its counters (results, refusals, requests cut by a quarantine) are
+        # totals of the run, and a metric that vanishes when its sampler does would hide them
+        self.remote_reports.update({live[member].name: report for member, report in reports.items()})
         for member, report in reports.items():
             status = report.get("status")
             if status is None:

@@ -41,6 +41,7 @@ from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
 from gepo_plugin.verl_glue.hetero.fleet import SamplerFleet
 from gepo_plugin.verl_glue.hetero.relay_transport import RelayTransport
+from gepo_plugin.verl_glue.hetero.remote.calibration_feed import CALIBRATION_FIELDS, CalibrationFeed
 from gepo_plugin.verl_glue.hetero.remote.members import build_remote_samplers
 from gepo_plugin.verl_glue.hetero.server_identity import server_of
 from gepo_plugin.verl_glue.hetero.simulated_transport import SimulatedTransport
@@ -75,6 +76,8 @@ class HeteroTrainerState:
     server_groups: dict[str, str] = field(default_factory=dict)
     #: When the last step's throughput was measured (``time.monotonic``); None before the first step.
     last_throughput_time: float | None = None
+    #: The in-cluster rollouts owed to the audit's threshold calibration (None: nothing to calibrate).
+    calibration: CalibrationFeed | None = None
 
 
 class HeteroMixin(AdvantageFieldsMixin):
@@ -114,6 +117,7 @@ class HeteroMixin(AdvantageFieldsMixin):
             # the version window is set when the weights first go out (the fleet's start); 0 until then
             remote = build_remote_samplers(self.config, settings, in_cluster, 0)
             remote.restore_audits(self.hetero.resumed_audits)
+            self.hetero.calibration = remote.calibration_feed(self.config)
         fleet = SamplerFleet(
             self.standalone_checkpoint_manager,
             settings,
@@ -133,7 +137,11 @@ class HeteroMixin(AdvantageFieldsMixin):
 
     def _advantage_reads(self) -> frozenset[str]:
         reads = super()._advantage_reads()
-        return reads | {"extra_fields", "rm_scores"} if self._hetero_buffer() is not None else reads
+        if self._hetero_buffer() is None:
+            return reads
+        calibration = self.hetero.calibration
+        reads |= CALIBRATION_FIELDS if calibration is not None and calibration.remaining > 0 else frozenset()
+        return reads | {"extra_fields", "rm_scores"}
 
     def _advantage_writes(self, batch, data, metrics: dict) -> dict[str, torch.Tensor]:
         writes = super()._advantage_writes(batch, data, metrics)
@@ -145,6 +153,9 @@ class HeteroMixin(AdvantageFieldsMixin):
         fleet = self._fleet()
         if fleet is not None:  # this step's view: alive groups, failures and replacements so far
             metrics.update(metric_names.under(metric_names.HETERO, fleet.roster.metrics()))
+        calibration = self.hetero.calibration
+        if fleet is not None and fleet.remote is not None and calibration is not None and calibration.remaining > 0:
+            fleet.remote.calibrate(calibration.dtype, calibration.take(batch.tags, data))
         writes[RESPONSE_LAG] = torch.as_tensor(lags, dtype=torch.float32)
         return writes
 

@@ -24,6 +24,7 @@ from gepo_plugin.hetero.audit.selection import AuditSelection
 from gepo_plugin.hetero.remote.protocol import VersionWindow
 from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue.hetero.remote.auditor import AuditClient, RemoteAuditor
+from gepo_plugin.verl_glue.hetero.remote.calibration_feed import CalibrationFeed
 from gepo_plugin.verl_glue.hetero.remote.gateway import RemoteGateway
 from gepo_plugin.verl_glue.hetero.remote.proxy import RemoteSamplerProxy
 
@@ -105,7 +106,7 @@ class RemoteSamplers:
             self._selection = AuditSelection(config.audit.fraction, secret)
             self.auditor = (
                 ray.remote(RemoteAuditor)
-                .options(**self._placement)
+                .options(**self._placement, num_gpus=config.audit.num_gpus)
                 .remote(config.audit, settings.relay, model_path, secret, config.audit.tau, list(self.samplers))
             )
         self._audit_mode = config.audit.mode
@@ -210,7 +211,35 @@ class RemoteSamplers:
             audits = ray.get(self.auditor.report.remote())
             for name, values in audits["samplers"].items():
                 out.update({f"{metric_names.REMOTE}{name}/{key}": float(v) for key, v in values.items()})
+            out[metric_names.REMOTE + "audit_seconds"] = float(audits["seconds"])
+            out[metric_names.REMOTE + "audit_version_pulls"] = float(audits["version_pulls"])
+            for dtype, values in audits["calibration"].items():
+                prefix = f"{metric_names.REMOTE}calibration/{dtype}/"
+                out.update({prefix + key: float(v) for key, v in values.items() if v is not None})
         return out
+
+    def calibration_feed(self, config: Any) -> CalibrationFeed | None:
+        """What the trainer hands the auditor to calibrate the threshold of the in-cluster samplers' dtype
+        (``config``: verl's trainer config); None where nothing is calibrated (no audit, ``hetero.audit.tau`` set,
+        a derived dtype, or calibrated before a resume)."""
+        rollout = config.actor_rollout_ref.rollout
+        dtype = str(rollout.get("dtype", "bfloat16"))
+        if self.auditor is None or not (remaining := ray.get(self.auditor.calibrating.remote(dtype))):
+            return None
+        return CalibrationFeed(
+            dtype=dtype,
+            temperature=float(rollout.temperature),
+            top_k=int(rollout.get("top_k", -1)),
+            top_p=float(rollout.get("top_p", 1.0)),
+            remaining=int(remaining),
+            untrusted_prefix=ADDRESS_PREFIX,
+        )
+
+    def calibrate(self, dtype: str, trajectories: list[dict[str, Any]]) -> None:
+        """Hand the auditor trusted (in-cluster) trajectories to calibrate the threshold of ``dtype`` (not waited
+        for: the auditor works through them between audits)."""
+        if self.auditor is not None and trajectories:
+            self.auditor.calibrate.remote(dtype, trajectories)
 
 
 def build_remote_samplers(config: Any, settings: HeteroSettings, first_group: int, version: int) -> RemoteSamplers:

@@ -333,6 +333,7 @@ class RemoteSamplerProxy:
             self.counters["results"] += 1
             self.counters["tokens"] += len(result.token_ids)
             if self.audit is not None and self.audit.quarantined is not None:
+                self.audit.cut()
                 pending.future.set_exception(SamplerQuarantined(self.audit.quarantined))
             elif self.audit is None or not self.audit.review(
                 pending.request.model_dump(),
