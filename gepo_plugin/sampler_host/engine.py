@@ -88,6 +88,10 @@ def engine_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: Seconds an idle connection to vLLM's server is kept for reuse: under uvicorn's 5 s keep-alive (see ``__aenter__``).
+IDLE_CONNECTION_S = 1.0
+
+
 class VLLMEngine:
     """One vLLM server on localhost: generation, abort, resume and in-place installs over its HTTP API."""
 
@@ -130,7 +134,11 @@ class VLLMEngine:
 
     async def __aenter__(self) -> VLLMEngine:
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        # vLLM's server (uvicorn) closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); aiohttp keeps idle
+        # ones for 15 s, and one reused as the server closes it fails with "Server disconnected" (an install's
+        # /pause after a quiet spell did, mid-run). Idle connections are dropped well before the server would.
+        connector = aiohttp.TCPConnector(keepalive_timeout=IDLE_CONNECTION_S)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         return self
 
     async def __aexit__(self, *exc) -> None:

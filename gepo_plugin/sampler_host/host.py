@@ -257,8 +257,10 @@ class SamplerHost:
         ]
         stopped = asyncio.create_task(self._stop.wait())
         try:
-            # until stopped, or a loop ends: only by an error (the gateway refusing this sampler for good), raised here
-            done, _ = await asyncio.wait([stopped, *loops], return_when=asyncio.FIRST_COMPLETED)
+            # until stopped, or a loop raises (the gateway refusing this sampler for good), raised here; a loop that
+            # returns (the weights loop after a failed install, reported with the status) leaves the host serving its
+            # status until the learner retires it
+            done, _ = await asyncio.wait([stopped, *loops], return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
                 if task is not stopped and task.exception() is not None:
                     raise task.exception()

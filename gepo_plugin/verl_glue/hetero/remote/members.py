@@ -203,7 +203,8 @@ class RemoteSamplers:
             prefix = f"{metric_names.REMOTE}{name}/"
             out.update({prefix + key: float(value) for key, value in report["counters"].items()})
             out.update({f"{prefix}refused/{reason}": float(n) for reason, n in report["refused"].items()})
-            out[prefix + "silent_s"] = float(report["silent_s"])
+            if "silent_s" in report:  # (a retired sampler's report keeps its totals only)
+                out[prefix + "silent_s"] = float(report["silent_s"])
             status = report.get("status")
             if status is not None and status["version"] is not None:
                 out[prefix + "version"] = float(status["version"])
