@@ -46,7 +46,7 @@ def test_remote_samplers_that_lie_are_quarantined_and_training_goes_on(tiny, tmp
         overrides = [
             *(
                 o
-                for o in remote_overrides(tiny, tmp_path, 400, max_lag, url, options, public, port)
+                for o in remote_overrides(tiny, tmp_path, 2000, max_lag, url, options, public, port)
                 if not o.startswith("hetero.remote_samplers=")
             ),
             f"hetero.remote_samplers=[{entries}]",

@@ -150,30 +150,39 @@ def test_gepo_with_a_remote_sampler_beside_an_in_cluster_one_on_policy(tiny, tmp
 
 def test_a_remote_sampler_killed_restarted_and_cut_off_is_retired_and_rejoins(tiny, tmp_path, keys):
     token, public = keys
-    steps, port, max_lag = 400, free_port(), 2
+    # steps: a budget the learner never reaches (the test stops it): at ~1 s a step with the in-cluster group alone,
+    # a slow start of the restarted host's vLLM must not outlast the run
+    steps, port, max_lag = 2000, free_port(), 2
     with s3_server() as (url, options):
         overrides = remote_overrides(tiny, tmp_path, steps, max_lag, url, options, public, port)
         process, metrics, log = start(overrides, tmp_path / "run")
         proxy = OutageProxy("127.0.0.1", port)
         gateway = f"http://127.0.0.1:{proxy.port}"
         host, _ = start_host(gateway, "far", token, public, tiny["model"], url, options, tmp_path / "h1")
+
+        def until(condition, what: str, timeout_s: float, poll_s: float = 0.5):
+            """``wait_for``, stopping at once (and failing with the learner's log) if the learner has ended."""
+            found = wait_for(lambda: condition() or process.poll() is not None, what, timeout_s, poll_s)
+            assert process.poll() is None, f"the learner ended waiting for {what}: {log.read_text()[-4000:]}"
+            return found
+
         try:
-            joined = wait_for(lambda: remote_trained(read_metrics(metrics)), "the remote group trained", 900, 1.0)
+            joined = until(lambda: remote_trained(read_metrics(metrics)), "the remote group trained", 900, 1.0)
             stop(host, signal.SIGKILL)  # killed mid-run: vLLM and host together
-            wait_for(lambda: _last(metrics).get("hetero/sampler_failures", 0) >= 1, "the sampler retired", 120)
+            until(lambda: _last(metrics).get("hetero/sampler_failures", 0) >= 1, "the sampler retired", 120)
             retired_at = max(read_metrics(metrics))
             host, _ = start_host(gateway, "far", token, public, tiny["model"], url, options, tmp_path / "h2")
-            wait_for(
+            until(
                 lambda: [s for s in remote_trained(read_metrics(metrics)) if s > retired_at + 1],
                 "the restarted sampler's rollouts trained",
                 900,
                 1.0,
             )
             proxy.cut()  # its network, for longer than the gateway's timeout
-            wait_for(lambda: _last(metrics).get("hetero/sampler_failures", 0) >= 2, "retired after the cut", 120)
+            until(lambda: _last(metrics).get("hetero/sampler_failures", 0) >= 2, "retired after the cut", 120)
             cut_at = max(read_metrics(metrics))
             proxy.restore()
-            wait_for(
+            until(
                 lambda: [s for s in remote_trained(read_metrics(metrics)) if s > cut_at + 1],
                 "the sampler back after the cut",
                 300,
