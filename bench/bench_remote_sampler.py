@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import add_output_options, script_parser, write_json_around
+from common import add_generation_options, add_output_options, script_parser, write_json_around
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the store, host and hosts' helpers
 
@@ -199,9 +199,7 @@ def report(record: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser(__doc__)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64], help="new tokens per request (16 64)")
-    parser.add_argument("--requests", type=int, default=32, help="requests per measurement (32)")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests at a time (8)")
+    add_generation_options(parser, "requests per measurement")
     parser.add_argument("--repeats", type=int, default=5, help="measurements per length and way; medians (5)")
     parser.add_argument("--publishes", type=int, default=3, help="versions published to time their install (3)")
     add_output_options(parser, "the measurements")

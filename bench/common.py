@@ -34,6 +34,14 @@ def add_output_options(parser: argparse.ArgumentParser, json_what: str, png_what
 # --------------------------------------------------------------------------------------------- files
 
 
+def add_generation_options(parser: argparse.ArgumentParser, requests_what: str) -> None:
+    """The load of a benchmark that sends a vLLM server batches of requests: response lengths, requests per
+    measurement and how many at a time."""
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64], help="new tokens per request (16 64)")
+    parser.add_argument("--requests", type=int, default=32, help=f"{requests_what} (32)")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests at a time (8)")
+
+
 def write_json(path: str | Path, record: Any) -> None:
     """``record`` as indented JSON at ``path``: one format for every script's results, read back by
     ``bench_staleness_lab.py`` and kept under ``docs/bench``."""

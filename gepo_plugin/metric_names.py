@@ -150,7 +150,7 @@ METRICS: tuple[Metric, ...] = (
     Metric(HETERO + "guard/relaxed", "times the guard relaxed it"),
     # the samplers: membership, failures, replacements
     Metric(HETERO + "sampler_failures", "sampler replicas retired so far"),
-    Metric(HETERO + "sampler_failures/{kind}", "retired because they died or hung"),
+    Metric(HETERO + "sampler_failures/{kind}", "retired because they died, hung or were quarantined by the audit"),
     Metric(HETERO + "sampler_replacements", "replacements that joined"),
     Metric(HETERO + "sampler_replacements/starting", "replacements still starting"),
     Metric(HETERO + "sampler_replicas_alive", "sampler replicas serving"),
@@ -181,6 +181,23 @@ METRICS: tuple[Metric, ...] = (
     Metric(REMOTE + "{sampler}/unauthorised", "calls in its name with a wrong or missing token (refused)"),
     Metric(REMOTE + "{sampler}/malformed", "calls in its name whose body was not a valid message (refused)"),
     Metric(REMOTE + "unknown_sampler", "calls for a sampler name hetero.remote_samplers does not list (refused)"),
+    # the audit of remote samplers (hetero.audit), per sampler name
+    Metric(REMOTE + "{sampler}/audited", "its results selected for an audit (hetero.audit.fraction)"),
+    Metric(REMOTE + "{sampler}/audit_errors", "audits that could not run (the result was released unaudited)"),
+    Metric(REMOTE + "{sampler}/audit_failed", "audited results whose log-probs disagreed (hold: not trained)"),
+    Metric(
+        REMOTE + "{sampler}/cut_by_quarantine",
+        "its requests failed because it was quarantined (in flight at the verdict; their groups count as failed)",
+    ),
+    Metric(REMOTE + "{sampler}/audits", "audits completed (trajectories recomputed under the claimed version)"),
+    Metric(REMOTE + "{sampler}/audit_failures", "audits whose log-probs exceeded the threshold"),
+    Metric(REMOTE + "{sampler}/largest_gap", "the largest |claimed - recomputed| log-prob over its audits"),
+    Metric(REMOTE + "{sampler}/log_e/{test}", "the log e-value of its sequential test (log_probs, sampling)"),
+    Metric(REMOTE + "{sampler}/quarantined", "1 once an audit's sequential test rejected it"),
+    Metric(REMOTE + "audit_seconds", "the auditor's compute so far (recomputing audited and trusted trajectories), s"),
+    Metric(REMOTE + "audit_version_pulls", "weight versions the auditor pulled from the relay"),
+    Metric(REMOTE + "calibration/{dtype}/trusted", "in-cluster trajectories recomputed to calibrate the threshold"),
+    Metric(REMOTE + "calibration/{dtype}/tau", "the calibrated threshold, once enough trusted trajectories were seen"),
 )
 
 

@@ -40,17 +40,18 @@ def start_host(
     max_model_len: int = 64,
     extra: list[str] = (),
     vllm_port: int | None = None,
+    lie: str | None = None,
 ) -> tuple[subprocess.Popen, Path]:
-    """Start a sampler host (its vLLM on ``vllm_port``, default a free one); returns the process and its log."""
+    """Start a sampler host (its vLLM on ``vllm_port``, default a free one; ``lie``: a lying host of
+    ``tests/lying_host.py``); returns the process and its log."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"host-{name}.log"
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
     env.update(CPU_ENGINE_ENV, GEPO_SAMPLER_TOKEN=token, PYTHONWARNINGS="ignore")
+    program = ["-m", "gepo_plugin", "sampler"] if lie is None else [str(Path(__file__).with_name("lying_host.py")), lie]
     command = [
         sys.executable,
-        "-m",
-        "gepo_plugin",
-        "sampler",
+        *program,
         "--gateway",
         gateway,
         "--name",

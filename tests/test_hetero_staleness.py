@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gepo_plugin.hetero.accounting import AccountingError, RolloutLedger
-from gepo_plugin.hetero.core import MIXED, OVERFLOW, STALE, BoundViolation, StalenessCore
+from gepo_plugin.hetero.core import MIXED, OVERFLOW, QUARANTINED, STALE, BoundViolation, StalenessCore
 from gepo_plugin.hetero.staleness import StalenessConfigError, StalenessPolicy, Verdict
 
 
@@ -133,3 +133,23 @@ def test_random_interleavings_never_exceed_the_bound_nor_lose_a_rollout(ops, k, 
         core.ledger.check()
         assert core.ledger.produced == produced
     assert all(lag <= k for lag in trained_lags), trained_lags
+
+
+def test_groups_of_a_quarantined_sampler_are_evicted_as_quarantined_never_trained_and_the_books_balance():
+    core = StalenessCore(StalenessPolicy(max_lag=4))
+    core.finished("a", 3, 3, submitted=4)  # a finished group the liar took part in
+    core.finished("b", 3, 3, submitted=4)  # an honest one
+    core.failed("c", submitted=4)  # one that failed when the liar was retired
+    core.quarantine(["a", "c", "gone"])  # (an id no longer queued is ignored)
+    with pytest.raises(BoundViolation, match="quarantined"):
+        core.train(["a"], learner_version=4)
+    assert core.select(["a", "b"], batch_size=2) == ["b"]
+    evictions = core.evictions(learner_version=4)
+    assert evictions == {"a": QUARANTINED, "c": QUARANTINED} and core.failed_ids == {"c"}
+    restored = StalenessCore(StalenessPolicy(max_lag=4))
+    restored.load_state_dict(core.state_dict())  # a checkpoint between the verdict and the eviction keeps it
+    assert restored.evictions(learner_version=4) == evictions
+    core.drop(evictions)
+    core.train(["b"], learner_version=4)
+    m = core.metrics()
+    assert m["dropped/quarantined"] == 2 and m["trained"] == 1 and m["produced"] == 3 and m["queued"] == 0

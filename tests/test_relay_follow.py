@@ -52,6 +52,34 @@ def test_a_follower_stages_the_newest_version_and_reports_when_it_arrived(tmp_pa
     publisher.close()
 
 
+def test_a_version_reported_as_staged_is_still_there_when_taken_however_many_arrive_meanwhile(tmp_path: Path) -> None:
+    """The learner installs the version a status reported; newer versions arriving before it asks (more than the
+    follower keeps staged) must not drop that one (a run stopped on "version 34 is not staged (staged: [35, 36])")."""
+    store = RelayStore(str(tmp_path), retry=FAST_RETRY)
+    learner = Learner(lr=1e-4)
+    publisher = RelayPublisher(store, "run", RelayConfig(keyframe_every=3))
+    publisher.hold(0)
+    follower = RelayFollower(RelayPuller(store, "run"), group=0, replica=0, poll_s=0.01)
+    follower.start()
+    truth = {}
+
+    def publish(version: int) -> None:
+        learner.step()
+        truth[version] = codec.WeightBits.from_tensors(learner.weights())
+        publisher.publish(version, learner.weights())
+        wait_for(lambda: version in follower._staged)
+
+    publish(1)
+    assert wait_for(lambda: follower.status().staged == 1)  # reported
+    for version in range(2, 6):  # more than STAGED_KEPT newer versions arrive before the learner asks
+        publish(version)
+    assert follower.take(1).equal(truth[1])  # still staged, exactly
+    assert sorted(follower._staged) == [4, 5]  # the reported one gone once taken; the newest two kept
+    assert follower.status().staged == 5 and follower.take(5).equal(truth[5])
+    follower.stop()
+    publisher.close()
+
+
 def test_a_slow_link_makes_a_follower_arrive_later_by_its_bytes(tmp_path: Path) -> None:
     store = RelayStore(str(tmp_path), retry=FAST_RETRY)
     learner = Learner(width=256)

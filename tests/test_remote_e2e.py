@@ -9,7 +9,8 @@ use), verifies manifests with the learner's Ed25519 public key, and dials the le
   declared; on-policy (``max_lag=0``) the rollout's log-probs agree with the learner's to float32 rounding at every
   step (``rollout/fresh_logprob_gap``): the in-cluster group's installs from the store from the first step, the
   remote group's tokens included once it joined (this run also does what the relay-to-vLLM run of
-  ``tests/test_vllm_e2e.py`` checks on-policy, which is in the ``extended`` tier);
+  ``tests/test_vllm_e2e.py`` checks on-policy, which is in the ``extended`` tier); every remote trajectory is
+  audited (``hetero.audit``, fraction 1, hold): the honest sampler passes every audit with float32 rounding's gap;
 * **faults**: the remote host SIGKILLed mid-run (retired as died, its requests counted, the run goes on with the
   in-cluster group), started again (it rejoins from the newest keyframe without a learner restart and its rollouts
   are trained again); then its network cut (a TCP proxy between host and gateway) for longer than the gateway's
@@ -47,6 +48,8 @@ REMOTE_GROUP = 1
 TIMEOUT_S = 6
 #: steps at which the remote group's rollouts must have been trained before the on-policy run is stopped
 TRAINED_STEPS = 8
+#: ``hetero.audit`` on every remote trajectory, held until it passes
+AUDIT_EVERYTHING = ("hetero.audit.enable=true", "hetero.audit.fraction=1.0")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,8 @@ def test_gepo_with_a_remote_sampler_beside_an_in_cluster_one_on_policy(tiny, tmp
     token, public = keys
     port = free_port()
     with s3_server() as (url, options):
-        overrides = remote_overrides(tiny, tmp_path, 400, 0, url, options, public, port)
+        # every remote trajectory audited (hold): an honest sampler passes every audit, its results reach training
+        overrides = [*remote_overrides(tiny, tmp_path, 400, 0, url, options, public, port), *AUDIT_EVERYTHING]
         if learner == "megatron":  # megatron-core in float32 on the CPU (the CPU backend's setting)
             overrides = [o for o in overrides if "actor.fsdp_config." not in o] + [MEGATRON]
         process, metrics, log = start(overrides, tmp_path / "run")
@@ -131,6 +135,11 @@ def test_gepo_with_a_remote_sampler_beside_an_in_cluster_one_on_policy(tiny, tmp
     last = logged[steps[-1]]
     assert last["hetero/remote/far/results"] > 0 and last["hetero/remote/far/version"] >= trained[0] - 1
     assert not any(key.startswith("hetero/remote/far/refused/") for key in last)  # an honest sampler: none refused
+    audits = {key.removeprefix("hetero/remote/far/"): v for key, v in last.items() if key.startswith("hetero/remote/")}
+    assert audits["audits"] >= 1 and audits["audit_failures"] == 0 and audits["quarantined"] == 0, audits
+    assert audits["audited"] == audits["results"] and audits["audit_errors"] == 0, audits  # fraction 1: every one
+    assert audits["largest_gap"] < FP32_GAP, audits  # float32 rounding: vLLM's CPU build against the auditor
+    print("honest audits:", {k: v for k, v in audits.items() if "audit" in k or "log_e" in k or "gap" in k})
     # every version went through the store, pulled by the in-cluster sampler with every digest checked
     assert last["hetero/relay/versions_published"] >= steps[-1] - 1, last
     assert last["hetero/relay/samplers/versions_pulled"] >= 1, last
@@ -141,30 +150,39 @@ def test_gepo_with_a_remote_sampler_beside_an_in_cluster_one_on_policy(tiny, tmp
 
 def test_a_remote_sampler_killed_restarted_and_cut_off_is_retired_and_rejoins(tiny, tmp_path, keys):
     token, public = keys
-    steps, port, max_lag = 400, free_port(), 2
+    # steps: a budget the learner never reaches (the test stops it): at ~1 s a step with the in-cluster group alone,
+    # a slow start of the restarted host's vLLM must not outlast the run
+    steps, port, max_lag = 2000, free_port(), 2
     with s3_server() as (url, options):
         overrides = remote_overrides(tiny, tmp_path, steps, max_lag, url, options, public, port)
         process, metrics, log = start(overrides, tmp_path / "run")
         proxy = OutageProxy("127.0.0.1", port)
         gateway = f"http://127.0.0.1:{proxy.port}"
         host, _ = start_host(gateway, "far", token, public, tiny["model"], url, options, tmp_path / "h1")
+
+        def until(condition, what: str, timeout_s: float, poll_s: float = 0.5):
+            """``wait_for``, stopping at once (and failing with the learner's log) if the learner has ended."""
+            found = wait_for(lambda: condition() or process.poll() is not None, what, timeout_s, poll_s)
+            assert process.poll() is None, f"the learner ended waiting for {what}: {log.read_text()[-4000:]}"
+            return found
+
         try:
-            joined = wait_for(lambda: remote_trained(read_metrics(metrics)), "the remote group trained", 900, 1.0)
+            joined = until(lambda: remote_trained(read_metrics(metrics)), "the remote group trained", 900, 1.0)
             stop(host, signal.SIGKILL)  # killed mid-run: vLLM and host together
-            wait_for(lambda: _last(metrics).get("hetero/sampler_failures", 0) >= 1, "the sampler retired", 120)
+            until(lambda: _last(metrics).get("hetero/sampler_failures", 0) >= 1, "the sampler retired", 120)
             retired_at = max(read_metrics(metrics))
             host, _ = start_host(gateway, "far", token, public, tiny["model"], url, options, tmp_path / "h2")
-            wait_for(
+            until(
                 lambda: [s for s in remote_trained(read_metrics(metrics)) if s > retired_at + 1],
                 "the restarted sampler's rollouts trained",
                 900,
                 1.0,
             )
             proxy.cut()  # its network, for longer than the gateway's timeout
-            wait_for(lambda: _last(metrics).get("hetero/sampler_failures", 0) >= 2, "retired after the cut", 120)
+            until(lambda: _last(metrics).get("hetero/sampler_failures", 0) >= 2, "retired after the cut", 120)
             cut_at = max(read_metrics(metrics))
             proxy.restore()
-            wait_for(
+            until(
                 lambda: [s for s in remote_trained(read_metrics(metrics)) if s > cut_at + 1],
                 "the sampler back after the cut",
                 300,

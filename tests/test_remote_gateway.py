@@ -159,6 +159,21 @@ def test_a_retired_sampler_is_told_so_and_rejoins_with_a_new_proxy(gateway):
     assert asyncio.run(back()).requests == []
 
 
+def test_a_quarantined_sampler_is_refused_for_the_rest_of_the_run_and_never_rejoins(gateway):
+    remote, token, cert = gateway
+    replica = remote.replicas["far"]
+    remote.retired(replica, quarantined=True)
+
+    async def run():
+        async with GatewayClient(remote.url, "far", token, ca_cert=cert) as client:
+            for call in (client.hello(), client.poll(SamplerStatus(version=0), wait_s=0.2), client.send(Results())):
+                with pytest.raises(GatewayRefused, match=r"403.*quarantined by the learner's audit"):
+                    await call
+
+    asyncio.run(run())
+    assert remote.rejoin() == [] and "far" not in remote.replicas  # it asked, and is not taken back
+
+
 def test_a_sampler_in_a_held_poll_is_not_silent_and_its_status_reports_reach_the_learner_at_once(
     cluster, tmp_path, monkeypatch
 ):
@@ -206,3 +221,47 @@ def test_a_sampler_whose_proxy_was_killed_before_the_fleet_detached_it_is_told_i
     asyncio.run(run())
     assert ray.get(remote.gateway.rejoining.remote()) == ["far"]
     assert ray.get(remote.gateway.counts.remote()) == {}
+
+
+def test_a_resumed_run_keeps_a_quarantined_sampler_out_and_its_audit_books_continue(cluster, tmp_path, monkeypatch):
+    """What ``hetero.json`` carried (a sampler's audits, its verdict) restored into a new run's remote samplers: the
+    books are the auditor's again, and the quarantined sampler is refused before it can join."""
+    from gepo_plugin.hetero.audit.book import LOG_PROBS, SamplerAudits, Verdict
+    from gepo_plugin.tiny import write_all
+    from gepo_plugin.verl_glue.hetero.remote.members import RemoteSamplers
+
+    private, public = generate_pair()
+    monkeypatch.setenv("GEPO_TEST_KEY", private)
+    tiny = write_all(tmp_path / "tiny")
+    hetero = parse_hetero(
+        {
+            "enable": True,
+            "transport": "relay",
+            "relay": {"url": str(tmp_path), "run_id": "r", "signing_key_env": "GEPO_TEST_KEY", "public_key": public},
+            "remote_samplers": [{"name": "far", "token_env": TOKEN_ENV}],
+            "gateway": {"host": "127.0.0.1", "port": free_port()},
+            "audit": {"enable": True},
+        }
+    )
+    hello = {"run_id": "r", "relay_url": str(tmp_path), "first_version": 0, "learner_version": 0}
+    window = VersionWindow(first=0, latest=0)
+    remote = RemoteSamplers(hetero, 0, window, 100, 8, hello, 100_000, model_path=tiny["model"])
+    saved = SamplerAudits("far", 1e-3, 0.01)
+    saved.audits, saved.failures, saved.largest_gap = 2, 2, 0.01
+    saved.verdict = Verdict("far", LOG_PROBS, 3, "r9", 7.2, 6.9, 2)
+    try:
+        assert "far" in remote.replicas
+        remote.restore_audits({"far": saved.state()})
+        assert "far" not in remote.replicas and remote.audit_state() == {"far": saved.state()}
+
+        async def run():
+            async with GatewayClient(remote.url, "far", cluster) as client:
+                with pytest.raises(GatewayRefused, match=r"403.*quarantined"):
+                    await client.hello()
+
+        asyncio.run(run())
+        assert remote.rejoin() == []
+    finally:
+        import ray
+
+        ray.get(remote.gateway.stop.remote())

@@ -133,6 +133,7 @@ def test_a_remote_sampler_generates_with_the_version_it_names_and_follows_the_le
         try:
             wait_for(lambda: held_version(remote) == 0, "the host installing version 0", 600)
             assert_no_ray(host.pid)
+            assert _report(remote)["status"]["dtype"] == "float32"  # read from vLLM: the audit's threshold needs it
             out = generate(remote, prompt)
             assert out.extra_fields == {"global_steps": 0} and out.stop_reason == "completed"
             assert 0 < len(out.token_ids) == len(out.log_probs) <= 6

@@ -92,6 +92,11 @@ MISTAKES = [
         "names ['far'] more than once",
     ),
     ("a remote sampler's bad name", [*REMOTE, "hetero.remote_samplers=[{name:'a b',token_env:GEPO_T}]"], "name"),
+    ("an audit without remote samplers", [*HETERO, "hetero.audit.enable=true"], "hetero.remote_samplers is empty"),
+    ("an audit share above 1", [*HETERO, "hetero.audit.fraction=2"], "hetero.audit.fraction"),
+    ("an audit mode misspelt", [*HETERO, "hetero.audit.mode=holdd"], "hetero.audit.mode"),
+    ("an audit switch as a string", [*HETERO, "hetero.audit.enable=yes"], "hetero.audit.enable"),
+    ("a calibration margin below 1", [*HETERO, "hetero.audit.calibration_margin=0.5"], "calibration_margin"),
     ("a public key that is no key", [*RELAY, NOT_PROBED, "hetero.relay.public_key=abc"], "not hexadecimal"),
     (
         "paced-poll switch read as a boolean",

@@ -41,7 +41,9 @@ STALE = Verdict.DROP_STALE.value
 OVERFLOW = "stale_overflow"
 MIXED = Verdict.DROP_MIXED.value
 MISSING = "missing_after_resume"
-REASONS: tuple[str, ...] = (STALE, OVERFLOW, MIXED, FAILED, MISSING)
+#: Groups with a trajectory of a sampler the audit quarantined (queued or failed when it was): never trained.
+QUARANTINED = "quarantined"
+REASONS: tuple[str, ...] = (STALE, OVERFLOW, MIXED, FAILED, MISSING, QUARANTINED)
 #: Evictions for staleness, whose trajectories exist: what "the cost of dropping" measures.
 STALENESS_REASONS: tuple[str, ...] = (STALE, OVERFLOW, MIXED)
 
@@ -72,6 +74,8 @@ class StalenessCore:
         self.ledger = RolloutLedger()
         self._groups: dict[str, GroupVersions] = {}
         self._failed: dict[str, GroupVersions] = {}
+        #: reported groups a quarantined sampler took part in: evicted as ``quarantined`` (see :meth:`quarantine`)
+        self._quarantined: set[str] = set()
         self.mixed_version_trained = 0
         #: learner step -> the oldest weight version any sampler held when the step began (the weight path records
         #: it with :meth:`record_floor`: verl's sampler fleet, the lab's driver). A step without an entry means every
@@ -79,6 +83,11 @@ class StalenessCore:
         self._floors: dict[int, int] = {}
 
     # ------------------------------------------------------------------ events
+    @property
+    def failed_ids(self) -> frozenset[str]:
+        """The reported groups that failed (verl clears those differently from finished ones)."""
+        return frozenset(self._failed)
+
     def known(self, uid: str) -> bool:
         """Has ``uid`` been reported (and not yet trained or dropped)?"""
         return uid in self._groups or uid in self._failed
@@ -95,6 +104,11 @@ class StalenessCore:
         bound = self.lower_bound(submitted)
         self.ledger.produce(uid, bound)
         self._failed[uid] = GroupVersions(bound, bound, int(submitted))
+
+    def quarantine(self, uids: Iterable[str]) -> None:
+        """Groups a quarantined sampler generated a trajectory of (the adapter knows which): whatever else they hold,
+        they are evicted as ``quarantined`` and never trained. Unknown ids (trained or dropped already) are ignored."""
+        self._quarantined.update(uid for uid in uids if self.known(uid))
 
     def record_floor(self, step: int, floor: int) -> None:
         """When learner step ``step`` begins, the oldest weight version any live sampler holds is ``floor``."""
@@ -119,8 +133,11 @@ class StalenessCore:
     def evictions(self, learner_version: int) -> dict[str, str]:
         """Queued groups that may not be trained at ``learner_version``, with their reason (not yet dropped)."""
         out = dict.fromkeys(self._failed, FAILED)
+        out.update(dict.fromkeys(self._quarantined, QUARANTINED))
         wait = self.policy.strategy == "wait"
         for uid, versions in self._groups.items():
+            if uid in self._quarantined:
+                continue
             verdict = self.policy.verdict(learner_version, versions.min, min(versions.max, learner_version))
             if verdict is Verdict.DROP_STALE:
                 out[uid] = OVERFLOW if wait else STALE
@@ -138,6 +155,7 @@ class StalenessCore:
             for uid in uids:
                 self._groups.pop(uid, None)
                 self._failed.pop(uid, None)
+                self._quarantined.discard(uid)
 
     def urgent(self, learner_version: int, in_flight: Mapping[str, int]) -> list[str]:
         """In-flight groups (``uid -> the learner step its prompt was submitted at``) that could exceed the bound
@@ -152,12 +170,15 @@ class StalenessCore:
     def select(self, candidates: Iterable[str], batch_size: int) -> list[str]:
         """The groups to train: oldest weight version first, then the earliest submission, then the id."""
         groups = self._groups
+        candidates = [uid for uid in candidates if uid not in self._quarantined]
         ordered = sorted(candidates, key=lambda uid: (groups[uid].min, groups[uid].submitted, uid))
         return ordered[:batch_size]
 
     def train(self, uids: Iterable[str], learner_version: int) -> np.ndarray:
         """Record that ``uids`` are trained at ``learner_version``; returns their lags (refuses one above the bound)."""
         uids = list(uids)
+        if self._quarantined.intersection(uids):
+            raise BoundViolation(f"groups of a quarantined sampler selected: {sorted(self._quarantined & set(uids))}")
         versions = [self._groups[uid] for uid in uids]
         lags = np.array([learner_version - v.min for v in versions], dtype=np.int64)
         if self.policy.max_lag is not None and lags.size and int(lags.max()) > self.policy.max_lag:
@@ -210,6 +231,7 @@ class StalenessCore:
             "ledger": self.ledger.state_dict(),
             "groups": {uid: [v.min, v.max, v.submitted] for uid, v in self._groups.items()},
             "failed": {uid: [v.min, v.max, v.submitted] for uid, v in self._failed.items()},
+            "quarantined": sorted(self._quarantined),
             "mixed_version_trained": self.mixed_version_trained,
             "version_floors": {str(step): floor for step, floor in self._floors.items()},
             "guard": self.guard.state_dict() if self.guard is not None else None,
@@ -219,6 +241,7 @@ class StalenessCore:
         self.ledger = RolloutLedger.from_state_dict(state["ledger"])
         self._groups = {uid: GroupVersions(*map(int, v)) for uid, v in state["groups"].items()}
         self._failed = {uid: GroupVersions(*map(int, v)) for uid, v in state.get("failed", {}).items()}
+        self._quarantined = set(state.get("quarantined", []))
         self.mixed_version_trained = int(state.get("mixed_version_trained", 0))
         self._floors = {int(step): int(floor) for step, floor in state.get("version_floors", {}).items()}
         if self.guard is not None and state.get("guard") is not None:

@@ -16,9 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-#: How a sampler replica was lost: its process is gone, or it stopped answering within ``hetero.health.timeout_s``.
-Failure = Literal["died", "hung"]
-FAILURES: tuple[str, ...] = ("died", "hung")
+#: How a sampler replica was lost: its process is gone, it stopped answering within ``hetero.health.timeout_s``, or
+#: (a remote sampler) the audit quarantined it.
+Failure = Literal["died", "hung", "quarantined"]
+FAILURES: tuple[str, ...] = ("died", "hung", "quarantined")
 
 
 class NoSamplerLeft(RuntimeError):

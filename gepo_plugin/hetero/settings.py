@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, StrictBool, StrictInt, model_validator
 
 from gepo_plugin import config_keys
+from gepo_plugin.hetero.audit.settings import AuditConfig
 from gepo_plugin.hetero.delays import DelayConfig, DelayModel
 from gepo_plugin.hetero.guard import GuardConfig, check_guard
 from gepo_plugin.hetero.relay.settings import RelayConfig
@@ -149,6 +150,11 @@ class HeteroConfig(BaseModel):
         default_factory=GatewayConfig,
         description="the endpoint remote samplers dial (hetero.gateway.*), on the node of verl's TaskRunner",
     )
+    audit: AuditConfig = Field(
+        default_factory=AuditConfig,
+        description="auditing remote samplers (hetero.audit.*): a share of their trajectories recomputed under the "
+        "claimed version, and a liar quarantined by a sequential test with a stated false-positive rate",
+    )
 
     @model_validator(mode="after")
     def _coherent(self) -> HeteroConfig:
@@ -163,6 +169,11 @@ class HeteroConfig(BaseModel):
             self._check_relay()
         if self.remote_samplers:
             self._check_remote()
+        elif self.audit.enable:
+            raise ValueError(
+                "hetero.audit.enable=true audits remote samplers, and hetero.remote_samplers is empty: add the "
+                "samplers to audit, or set hetero.audit.enable=false"
+            )
         if self.sampler_groups is not None:  # else the group count is known only with the replicas (group_sizes)
             self.check_per_group(len(self.sampler_groups))
         return self

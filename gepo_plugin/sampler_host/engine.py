@@ -88,6 +88,10 @@ def engine_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: Seconds an idle connection to vLLM's server is kept for reuse: under uvicorn's 5 s keep-alive (see ``__aenter__``).
+IDLE_CONNECTION_S = 1.0
+
+
 class VLLMEngine:
     """One vLLM server on localhost: generation, abort, resume and in-place installs over its HTTP API."""
 
@@ -103,6 +107,8 @@ class VLLMEngine:
         self.request_timeout_s = request_timeout_s
         self.model: str | None = None
         self.version = ""
+        #: the dtype the server computes in (read from it at :meth:`check`)
+        self.dtype: str | None = None
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
@@ -128,7 +134,11 @@ class VLLMEngine:
 
     async def __aenter__(self) -> VLLMEngine:
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        # vLLM's server (uvicorn) closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); aiohttp keeps idle
+        # ones for 15 s, and one reused as the server closes it fails with "Server disconnected" (an install's
+        # /pause after a quiet spell did, mid-run). Idle connections are dropped well before the server would.
+        connector = aiohttp.TCPConnector(keepalive_timeout=IDLE_CONNECTION_S)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -191,6 +201,9 @@ class VLLMEngine:
         config = info.get("vllm_config", info)
         if isinstance(config, str):
             config = json.loads(config)
+        model_config = _find(config, "model_config")
+        dtype = _find(model_config if isinstance(model_config, dict) else config, "dtype")
+        self.dtype = str(dtype).removeprefix("torch.") if dtype is not None else None  # what the audit's tau needs
         mode = _find(config, "logprobs_mode")
         if mode != LOGPROBS_MODE:
             raise EngineError(

@@ -124,6 +124,7 @@ class SamplerHost:
             in_flight=self._running,
             error=self.error,
             engine=f"vllm {self.engine.version}",
+            dtype=self.engine.dtype,
             counters=dict(self.counters),
         )
 
@@ -254,10 +255,17 @@ class SamplerHost:
             asyncio.create_task(self._weights_loop()),
             asyncio.create_task(self._poll_loop(hello.poll_wait_s)),
         ]
+        stopped = asyncio.create_task(self._stop.wait())
         try:
-            await self._stop.wait()
+            # until stopped, or a loop raises (the gateway refusing this sampler for good), raised here; a loop that
+            # returns (the weights loop after a failed install, reported with the status) leaves the host serving its
+            # status until the learner retires it
+            done, _ = await asyncio.wait([stopped, *loops], return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task is not stopped and task.exception() is not None:
+                    raise task.exception()
         finally:
-            for task in [*loops, *self._tasks]:
+            for task in [stopped, *loops, *self._tasks]:
                 task.cancel()
             if self.follower is not None:
                 self.follower.stop()

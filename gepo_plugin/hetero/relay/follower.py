@@ -26,7 +26,7 @@ from gepo_plugin.hetero.relay.puller import Held, RelayIntegrityError, RelayPull
 from gepo_plugin.hetero.relay.store import RelayStoreError
 
 logger = logging.getLogger(__name__)
-#: staged versions kept for installation (the newest two)
+#: staged versions kept for installation (the newest two, and the one last reported until it is taken or passed)
 STAGED_KEPT = 2
 
 
@@ -73,6 +73,9 @@ class RelayFollower:
         self.outage_key = outage_key  # the setting a message names (a sampler host's is its --outage-s)
         self._held: Held | None = None
         self._staged: dict[int, WeightBits] = {}
+        #: the version the last :meth:`status` reported as staged: kept until taken or passed by a take, however many
+        #: newer ones arrive meanwhile (the learner installs what it was told is staged)
+        self._reported: int | None = None
         self._receipts: list[Receipt] = []
         self._keyframe_needed: int | None = None
         self._error: str | None = None
@@ -92,6 +95,7 @@ class RelayFollower:
         with self._lock:
             receipts, self._receipts = self._receipts, []
             staged = max(self._staged, default=None)
+            self._reported = staged
             return FollowerStatus(
                 receipts,
                 staged,
@@ -146,7 +150,8 @@ class RelayFollower:
                     self._keyframe_needed = None
                 self._staged[result.held.version] = result.held.weights
                 for old in sorted(self._staged)[:-STAGED_KEPT]:
-                    del self._staged[old]
+                    if old != self._reported:
+                        del self._staged[old]
                 self._receipts.append(
                     Receipt(self.group, self.replica, result.held.version, self.clock(), result.nbytes, result.seconds)
                 )

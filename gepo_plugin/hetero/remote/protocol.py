@@ -86,6 +86,7 @@ class SamplerStatus(BaseModel):
     in_flight: StrictInt = Field(0, ge=0)
     error: str | None = Field(None, max_length=4000, description="why it cannot generate (a fatal store error...)")
     engine: str = Field("", max_length=200, description="the inference engine and its version, e.g. vllm 0.30.0")
+    dtype: str | None = Field(None, max_length=40, description="the dtype its engine computes in, e.g. float32")
     counters: dict[str, float] = Field(default_factory=dict)
 
 

@@ -11,8 +11,12 @@ def engine_error(server) -> str | None:
     if engine is None or not getattr(engine, "errored", False):
         return None
     error = getattr(engine, "dead_error", None)
+    if type(error).__name__ == "SamplerQuarantined":  # a remote sampler the audit rejected (its proxy says why)
+        return f"{QUARANTINED} ({error})"
     return f"{ENGINE_DIED} ({type(error).__name__ if error is not None else 'engine errored'})"
 
 
 #: How a dead engine's cause starts (the prober recognises it).
 ENGINE_DIED = "its inference engine died"
+#: How a quarantined remote sampler's cause starts.
+QUARANTINED = "quarantined by the audit"

@@ -85,6 +85,8 @@ class SamplerFleet:
         #: samplers outside the cluster: their groups follow the in-cluster ones and start empty; each sampler joins
         #: (like a replacement) once it has dialled in and holds a version
         self.remote = remote
+        #: server addresses of samplers the audit quarantined (shared with the replay buffer)
+        self.quarantined_servers: set[str] = set()
         remote_groups = remote.num_groups if remote is not None else 0
         self.roster = SamplerRoster([*sizes, *[0] * remote_groups])
         self.members: dict[int, Any] = dict(enumerate(base.replicas))  # roster id -> verl RolloutReplica
@@ -203,7 +205,9 @@ class SamplerFleet:
                 forget_replica(self.server_manager, member)
             release_resources(member)
             if is_remote(member):
-                self.remote.retired(member)
+                self.remote.retired(member, quarantined=kind == "quarantined")
+                if kind == "quarantined":  # the replay buffer drops every queued group it took part in
+                    self.quarantined_servers.add(member.server_address)
             self.transport.forget(replica)
             logger.warning(
                 "hetero: retired sampler replica %d of group %d (%s, detected after %.1f s)%s",

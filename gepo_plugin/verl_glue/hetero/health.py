@@ -30,7 +30,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from gepo_plugin.hetero.settings import HealthConfig
-from gepo_plugin.verl_glue.hetero.engine_probe import ENGINE_DIED, engine_error
+from gepo_plugin.verl_glue.hetero.engine_probe import ENGINE_DIED, QUARANTINED, engine_error
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,8 @@ def _verdict(refs: list, ready: set) -> tuple[str | None, str | None]:
                 continue
             if isinstance(answer, str) and answer.startswith(ENGINE_DIED):
                 return "died", answer
+            if isinstance(answer, str) and answer.startswith(QUARANTINED):
+                return "quarantined", answer
     return None, None
 
 
@@ -153,9 +155,9 @@ class HealthMonitor:
             lost: list[tuple[int, str, float]] = []
             for replica, pending in list(self._probes.items()):
                 verdict, cause = _verdict(pending.refs, ready)
-                if verdict == "died":
+                if verdict in ("died", "quarantined"):
                     self.causes[replica] = cause
-                    lost.append((replica, "died", now - self._last_ok.get(replica, pending.sent)))
+                    lost.append((replica, verdict, now - self._last_ok.get(replica, pending.sent)))
                 elif all(ref in ready for ref in pending.refs):
                     self._last_ok[replica] = now
                     del self._probes[replica]

@@ -261,7 +261,11 @@ class RelayTransport:
         installed = []
         live = {member: replica for member, replica in self.remote_members.items() if member in self.fleet.members}
         reports = self._remote_reports(live)
-        self.remote_reports = {live[member].name: report for member, report in reports.items()}
+        # a retired sampler's totals stay (results, refusals, requests cut by a quarantine: a metric that vanished
+        # with its sampler would hide them); what described it while alive (silence, version) goes
+        current = {live[member].name: report for member, report in reports.items()}
+        gone = {name: {"counters": r["counters"], "refused": r["refused"]} for name, r in self.remote_reports.items()}
+        self.remote_reports = {**gone, **current}
         for member, report in reports.items():
             status = report.get("status")
             if status is None:

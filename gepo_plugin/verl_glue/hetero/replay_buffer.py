@@ -36,12 +36,13 @@ from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
 from gepo_plugin import metric_names
-from gepo_plugin.hetero.core import FAILED, OVERFLOW, STALENESS_REASONS, StalenessCore
+from gepo_plugin.hetero.core import OVERFLOW, STALENESS_REASONS, StalenessCore
 from gepo_plugin.hetero.drop_bias import DROPPED_STEP
 from gepo_plugin.hetero.drop_bias import totals as drop_totals
 from gepo_plugin.hetero.lags import lag_summary
 from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue import replay_wait, seam
+from gepo_plugin.verl_glue.hetero.server_identity import server_of
 from gepo_plugin.verl_glue.weight_versions import learner_version
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,10 @@ class HeteroReplayBuffer(ReplayBufferAsync):
         #: called while the learner waits for data (the delayed weight sync installs due arrivals).
         self.on_poll: Callable[[], None] | None = None
         self._last_sample_end: float | None = None
+        #: server addresses of samplers the audit quarantined (the fleet adds them when it retires one): groups with a
+        #: trajectory of theirs are evicted as ``quarantined``
+        self.quarantined_servers: set[str] = set()
+        self._quarantine_scanned: set[str] = set()
 
     def attach(self, settings: HeteroSettings) -> None:
         """Take the run's ``hetero`` settings (parsed once, by the trainer) and build the staleness core from them."""
@@ -118,6 +123,8 @@ class HeteroReplayBuffer(ReplayBufferAsync):
             self.core.finished(uid, *versions[uid], submitted=self._submitted(partition_id, uid))
         for uid in sorted(failed):
             self.core.failed(uid, submitted=self._submitted(partition_id, uid))
+        if self.quarantined_servers:
+            self._quarantine_groups(partition_id, set(versions))
         if self._resumed_check_pending:
             self._resumed_check_pending = False
             missing = self.core.reconcile(self.finished_keys[partition_id] | self.failure_keys[partition_id])
@@ -127,6 +134,23 @@ class HeteroReplayBuffer(ReplayBufferAsync):
                     "dropped (missing_after_resume)",
                     len(missing),
                 )
+
+    def _quarantine_groups(self, partition_id: str, new: set[str]) -> None:
+        """Groups with a trajectory of a quarantined sampler go to the core as quarantined: the groups that finished
+        now and, when a sampler was quarantined since the last scan, every queued one (their servers are read from
+        TransferQueue only then: a quarantine is rare)."""
+        fresh = self.quarantined_servers - self._quarantine_scanned
+        uids = set(self.core.queued) if fresh else new
+        self._quarantine_scanned |= fresh
+        keys = [key for key in self.partitions[partition_id] if uid_of(key) in uids]
+        if not keys:
+            return
+        extras = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])["extra_fields"]
+        servers = self.quarantined_servers
+        hit = {uid_of(key) for key, extra in zip(keys, extras, strict=True) if server_of(extra) in servers}
+        if hit:
+            self.core.quarantine(hit)
+            logger.warning("hetero: %d queued group(s) hold rollouts of a quarantined sampler: dropped", len(hit))
 
     def _in_flight(self, partition_id: str) -> dict[str, int]:
         """In-flight groups and the step each was submitted at."""
@@ -139,7 +163,7 @@ class HeteroReplayBuffer(ReplayBufferAsync):
             return super()._terminal_eviction_reasons(global_steps, partition_id)
         self._report_terminal_groups(partition_id)
         self._evicting = self.core.evictions(learner_version(global_steps))
-        failed = {uid for uid, reason in self._evicting.items() if reason == FAILED}
+        failed = set(self._evicting) & self.core.failed_ids  # (failed, or quarantined after failing)
         evicted = set(self._evicting) - failed
         overflow = sum(reason == OVERFLOW for reason in self._evicting.values())
         if overflow:

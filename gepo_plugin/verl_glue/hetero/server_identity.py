@@ -9,3 +9,9 @@ in the glue, so the patch can be deleted once verl records the server itself wit
 SERVER_ID = "server_id"
 #: Environment switch, set for every Ray process of a HeteroRL run (``hetero.enable=true``).
 ENV = "GEPO_SERVER_IDENTITY"
+
+
+def server_of(extra: object) -> str | None:
+    """The server recorded in one rollout's ``extra_fields`` (a dict, or verl's NonTensorData around one), if any."""
+    extra = getattr(extra, "data", extra)
+    return extra.get(SERVER_ID) if isinstance(extra, dict) else None

@@ -41,8 +41,9 @@ from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.advantage_fields import AdvantageFieldsMixin
 from gepo_plugin.verl_glue.hetero.fleet import SamplerFleet
 from gepo_plugin.verl_glue.hetero.relay_transport import RelayTransport
+from gepo_plugin.verl_glue.hetero.remote.calibration_feed import CALIBRATION_FIELDS, CalibrationFeed
 from gepo_plugin.verl_glue.hetero.remote.members import build_remote_samplers
-from gepo_plugin.verl_glue.hetero.server_identity import SERVER_ID
+from gepo_plugin.verl_glue.hetero.server_identity import server_of
 from gepo_plugin.verl_glue.hetero.simulated_transport import SimulatedTransport
 from gepo_plugin.verl_glue.hetero.transport import WeightTransport
 from gepo_plugin.verl_glue.response_terms import RESPONSE_LAG
@@ -68,11 +69,15 @@ class HeteroTrainerState:
     #: The sampler books of ``hetero.json`` at a resume: verl loads the checkpoint before it starts the samplers,
     #: and the weight sync takes these books when it is built.
     resumed_sampler_books: dict[str, Any] = field(default_factory=dict)
+    #: The remote samplers' audits of ``hetero.json`` at a resume (a quarantined sampler stays out).
+    resumed_audits: dict[str, Any] = field(default_factory=dict)
     #: Rollout server address -> sampler group label; retired and pre-resume addresses stay (their rollouts may
     #: still be trained).
     server_groups: dict[str, str] = field(default_factory=dict)
     #: When the last step's throughput was measured (``time.monotonic``); None before the first step.
     last_throughput_time: float | None = None
+    #: The in-cluster rollouts owed to the audit's threshold calibration (None: nothing to calibrate).
+    calibration: CalibrationFeed | None = None
 
 
 class HeteroMixin(AdvantageFieldsMixin):
@@ -111,6 +116,8 @@ class HeteroMixin(AdvantageFieldsMixin):
             in_cluster = len(settings.group_sizes(len(self.standalone_checkpoint_manager.replicas)))
             # the version window is set when the weights first go out (the fleet's start); 0 until then
             remote = build_remote_samplers(self.config, settings, in_cluster, 0)
+            remote.restore_audits(self.hetero.resumed_audits)
+            self.hetero.calibration = remote.calibration_feed(self.config)
         fleet = SamplerFleet(
             self.standalone_checkpoint_manager,
             settings,
@@ -122,6 +129,7 @@ class HeteroMixin(AdvantageFieldsMixin):
         self.standalone_checkpoint_manager = fleet
         fleet.roster.load_state_dict(self.hetero.resumed_sampler_books)
         buffer.on_poll = fleet.poll
+        buffer.quarantined_servers = fleet.quarantined_servers  # one set: the fleet adds, the buffer reads
 
     def _fleet(self) -> SamplerFleet | None:
         fleet = getattr(self, "standalone_checkpoint_manager", None)
@@ -129,7 +137,11 @@ class HeteroMixin(AdvantageFieldsMixin):
 
     def _advantage_reads(self) -> frozenset[str]:
         reads = super()._advantage_reads()
-        return reads | {"extra_fields", "rm_scores"} if self._hetero_buffer() is not None else reads
+        if self._hetero_buffer() is None:
+            return reads
+        calibration = self.hetero.calibration
+        reads |= CALIBRATION_FIELDS if calibration is not None and calibration.remaining > 0 else frozenset()
+        return reads | {"extra_fields", "rm_scores"}
 
     def _advantage_writes(self, batch, data, metrics: dict) -> dict[str, torch.Tensor]:
         writes = super()._advantage_writes(batch, data, metrics)
@@ -141,6 +153,9 @@ class HeteroMixin(AdvantageFieldsMixin):
         fleet = self._fleet()
         if fleet is not None:  # this step's view: alive groups, failures and replacements so far
             metrics.update(metric_names.under(metric_names.HETERO, fleet.roster.metrics()))
+        calibration = self.hetero.calibration
+        if fleet is not None and fleet.remote is not None and calibration is not None and calibration.remaining > 0:
+            fleet.remote.calibrate(calibration.dtype, calibration.take(batch.tags, data))
         writes[RESPONSE_LAG] = torch.as_tensor(lags, dtype=torch.float32)
         return writes
 
@@ -194,7 +209,7 @@ class HeteroMixin(AdvantageFieldsMixin):
         if not real:
             return {}
         extras = list(extra_fields)
-        servers = [_server_of(extras[i], SERVER_ID) for i in real]
+        servers = [server_of(extras[i]) for i in real]
         if all(server is None for server in servers):
             return {}
         groups = self._server_groups()
@@ -220,6 +235,9 @@ class HeteroMixin(AdvantageFieldsMixin):
             "global_steps": self.global_steps,
             "replay_buffer": self._hetero_buffer().state_dict(),
             "samplers": samplers,
+            "audits": fleet.remote.audit_state()
+            if fleet is not None and fleet.remote is not None
+            else self.hetero.resumed_audits,
             "server_groups": dict(self._server_groups()),
             # the CPU rollout's modelled GPU, if any: the run's timings mean nothing without it
             "rollout_latency": _plain(OmegaConf.select(self.config, HF_ROLLOUT_LATENCY, default=None)),
@@ -229,6 +247,7 @@ class HeteroMixin(AdvantageFieldsMixin):
         self._hetero_buffer().load_state_dict(state["replay_buffer"])
         # verl loads the checkpoint before it starts the samplers: the weight sync takes these books when it is built
         self.hetero.resumed_sampler_books = state.get("samplers", {})
+        self.hetero.resumed_audits = state.get("audits", {})
         # the live servers' addresses take precedence (a new server may reuse an old address)
         self.hetero.server_groups = dict(state.get("server_groups", {}))
 
@@ -264,11 +283,6 @@ class HeteroMixin(AdvantageFieldsMixin):
             ledger["trained"],
         )
         return None
-
-
-def _server_of(extra: Any, key: str) -> str | None:
-    """The server id in one rollout's ``extra_fields`` (a dict, or a NonTensorData around one), if reported."""
-    return getattr(extra, "data", extra).get(key) if extra is not None else None
 
 
 def _plain(node: Any) -> Any:

@@ -42,6 +42,8 @@ class RemoteGateway:
         self.hello_fields = hello
         self.proxies: dict[str, Any] = {}
         self.asking: dict[str, float] = {}
+        #: samplers the audit quarantined: refused (403) for the rest of the run
+        self.quarantined: set[str] = set()
         self.refusals: Counter[str] = Counter()
         self._runner: web.AppRunner | None = None
 
@@ -79,9 +81,13 @@ class RemoteGateway:
         self.proxies[name] = proxy
         self.asking.pop(name, None)
 
-    def detach(self, name: str) -> None:
-        """``name`` was retired: its calls get 410 until it is attached again."""
+    def detach(self, name: str, quarantined: bool = False) -> None:
+        """``name`` was retired: its calls get 410 until it is attached again; a quarantined one gets 403 for good
+        (its host stops, saying why)."""
         self.proxies.pop(name, None)
+        if quarantined:
+            self.quarantined.add(name)
+            self.asking.pop(name, None)
 
     def set_hello(self, **fields: Any) -> None:
         self.hello_fields.update(fields)
@@ -106,6 +112,8 @@ class RemoteGateway:
             self.refusals[f"{name}/unauthorised"] += 1
             logger.warning("hetero: a call for remote sampler %r with a wrong token, from %s", name, request.remote)
             raise web.HTTPUnauthorized(text="wrong or missing bearer token")
+        if name in self.quarantined:
+            raise web.HTTPForbidden(text=f"remote sampler {name!r} was quarantined by the learner's audit for this run")
         return name
 
     def _proxy(self, name: str) -> Any:

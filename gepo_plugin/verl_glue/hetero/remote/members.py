@@ -13,14 +13,18 @@ proxy, so it joins again without a learner restart.
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from gepo_plugin import metric_names
+from gepo_plugin.hetero.audit.selection import AuditSelection
 from gepo_plugin.hetero.remote.protocol import VersionWindow
 from gepo_plugin.hetero.settings import HeteroSettings
+from gepo_plugin.verl_glue.hetero.remote.auditor import AuditClient, RemoteAuditor
+from gepo_plugin.verl_glue.hetero.remote.calibration_feed import CalibrationFeed
 from gepo_plugin.verl_glue.hetero.remote.gateway import RemoteGateway
 from gepo_plugin.verl_glue.hetero.remote.proxy import RemoteSamplerProxy
 
@@ -78,6 +82,7 @@ class RemoteSamplers:
         default_max_tokens: int,
         hello: dict[str, Any],
         first_rank: int,
+        model_path: str | None = None,
     ) -> None:
         config = settings.config
         self.samplers = {sampler.name: sampler for sampler in config.remote_samplers}
@@ -95,6 +100,16 @@ class RemoteSamplers:
             .remote(config.gateway, list(config.remote_samplers), {**hello, "poll_wait_s": config.gateway.poll_wait_s})
         )
         self.url = ray.get(self.gateway.start.remote())
+        self.auditor, self._selection = None, None
+        if config.audit.enable:  # the key stays on the learner's side: proxies and auditor share it
+            secret = secrets.token_bytes(32)
+            self._selection = AuditSelection(config.audit.fraction, secret)
+            self.auditor = (
+                ray.remote(RemoteAuditor)
+                .options(**self._placement, num_gpus=config.audit.num_gpus)
+                .remote(config.audit, settings.relay, model_path, secret, config.audit.tau, list(self.samplers))
+            )
+        self._audit_mode = config.audit.mode
         self._next_rank = first_rank
         #: name -> its replica while it may serve or join (a retired sampler is absent until it dials again)
         self.replicas: dict[str, RemoteReplica] = {}
@@ -112,6 +127,7 @@ class RemoteSamplers:
                 self.window,
                 self.vocab_size,
                 self.default_max_tokens,
+                self._audit_client(name),
             )
         )
         ray.get(self.gateway.attach.remote(name, proxy))
@@ -120,17 +136,39 @@ class RemoteSamplers:
         self.replicas[name] = replica
         return replica
 
+    def _audit_client(self, name: str) -> AuditClient | None:
+        if self.auditor is None:
+            return None
+        return AuditClient(name, self._selection, self.auditor, mode=self._audit_mode)
+
+    def audit_state(self) -> dict[str, Any]:
+        """The audits' books (``hetero.json``), verdicts included; empty without ``hetero.audit``."""
+        return ray.get(self.auditor.state.remote()) if self.auditor is not None else {}
+
+    def restore_audits(self, state: dict[str, Any]) -> None:
+        """A resumed run's audits: the books continue, and a sampler quarantined before stays out (403)."""
+        if self.auditor is None or not state:
+            return
+        ray.get(self.auditor.restore.remote(state))
+        for name, saved in state.items():
+            if saved.get("verdict") is not None and name in self.replicas:
+                replica = self.replicas.pop(name)
+                ray.kill(replica.proxy, no_restart=True)
+                ray.get(self.gateway.detach.remote(name, True))
+                logger.warning("hetero: remote sampler %r stays quarantined (test %r)", name, saved["verdict"]["test"])
+
     def candidates(self, members: list[Any]) -> list[tuple[int, RemoteReplica]]:
         """``(group, replica)`` of every remote sampler that is not a member of the fleet (it may join once it
         reports a version)."""
         current = {id(member) for member in members}
         return [(self.group_of[name], r) for name, r in self.replicas.items() if id(r) not in current]
 
-    def retired(self, replica: RemoteReplica) -> None:
-        """The fleet retired ``replica`` (its proxy is killed): its calls get 410 until it dials again."""
+    def retired(self, replica: RemoteReplica, quarantined: bool = False) -> None:
+        """The fleet retired ``replica`` (its proxy is killed): its calls get 410 until it dials again, or, once the
+        audit quarantined it, 403 for the rest of the run."""
         if self.replicas.get(replica.name) is replica:
             del self.replicas[replica.name]
-        ray.get(self.gateway.detach.remote(replica.name))
+        ray.get(self.gateway.detach.remote(replica.name, quarantined))
 
     def rejoin(self) -> list[str]:
         """Retired samplers that dialled in again get a new proxy; returns their names."""
@@ -165,11 +203,44 @@ class RemoteSamplers:
             prefix = f"{metric_names.REMOTE}{name}/"
             out.update({prefix + key: float(value) for key, value in report["counters"].items()})
             out.update({f"{prefix}refused/{reason}": float(n) for reason, n in report["refused"].items()})
-            out[prefix + "silent_s"] = float(report["silent_s"])
+            if "silent_s" in report:  # (a retired sampler's report keeps its totals only)
+                out[prefix + "silent_s"] = float(report["silent_s"])
             status = report.get("status")
             if status is not None and status["version"] is not None:
                 out[prefix + "version"] = float(status["version"])
+        if self.auditor is not None:
+            audits = ray.get(self.auditor.report.remote())
+            for name, values in audits["samplers"].items():
+                out.update({f"{metric_names.REMOTE}{name}/{key}": float(v) for key, v in values.items()})
+            out[metric_names.REMOTE + "audit_seconds"] = float(audits["seconds"])
+            out[metric_names.REMOTE + "audit_version_pulls"] = float(audits["version_pulls"])
+            for dtype, values in audits["calibration"].items():
+                prefix = f"{metric_names.REMOTE}calibration/{dtype}/"
+                out.update({prefix + key: float(v) for key, v in values.items() if v is not None})
         return out
+
+    def calibration_feed(self, config: Any) -> CalibrationFeed | None:
+        """What the trainer hands the auditor to calibrate the threshold of the in-cluster samplers' dtype
+        (``config``: verl's trainer config); None where nothing is calibrated (no audit, ``hetero.audit.tau`` set,
+        a derived dtype, or calibrated before a resume)."""
+        rollout = config.actor_rollout_ref.rollout
+        dtype = str(rollout.get("dtype", "bfloat16"))
+        if self.auditor is None or not (remaining := ray.get(self.auditor.calibrating.remote(dtype))):
+            return None
+        return CalibrationFeed(
+            dtype=dtype,
+            temperature=float(rollout.temperature),
+            top_k=int(rollout.get("top_k", -1)),
+            top_p=float(rollout.get("top_p", 1.0)),
+            remaining=int(remaining),
+            untrusted_prefix=ADDRESS_PREFIX,
+        )
+
+    def calibrate(self, dtype: str, trajectories: list[dict[str, Any]]) -> None:
+        """Hand the auditor trusted (in-cluster) trajectories to calibrate the threshold of ``dtype`` (not waited
+        for: the auditor works through them between audits)."""
+        if self.auditor is not None and trajectories:
+            self.auditor.calibrate.remote(dtype, trajectories)
 
 
 def build_remote_samplers(config: Any, settings: HeteroSettings, first_group: int, version: int) -> RemoteSamplers:
@@ -181,6 +252,7 @@ def build_remote_samplers(config: Any, settings: HeteroSettings, first_group: in
     hello = {"run_id": relay.run_id, "relay_url": relay.url, "first_version": version, "learner_version": version}
     return RemoteSamplers(
         settings,
+        model_path=config.actor_rollout_ref.model.path,
         first_group=first_group,
         window=VersionWindow(first=version, latest=version),
         vocab_size=int(getattr(model, "vocab_size", None) or model.get_text_config().vocab_size),

@@ -42,6 +42,7 @@ from gepo_plugin.hetero.remote.protocol import (
     check_result,
 )
 from gepo_plugin.hetero.remote.settings import GatewayConfig
+from gepo_plugin.verl_glue.hetero.remote.auditor import AuditClient, SamplerQuarantined
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class _Pending:
     request: GenerateRequest
     future: asyncio.Future
     sent_at: float | None = None
+    #: its result arrived (and may be held by its audit): another result for it is refused
+    answered: bool = False
 
 
 @dataclass
@@ -100,8 +103,11 @@ class RemoteSamplerProxy:
         window: VersionWindow,
         vocab_size: int,
         default_max_tokens: int,
+        audit: AuditClient | None = None,
     ) -> None:
         self.name = name
+        #: the audit of this sampler's results (``hetero.audit``), None when off
+        self.audit = audit
         #: verl's response length: a request without a budget of its own gets this one, as on verl's servers
         self.default_max_tokens = default_max_tokens
         self.address = address
@@ -225,7 +231,7 @@ class RemoteSamplerProxy:
             "silent_s": self.silent_s(),
             "dead": None if (why := self.why_dead()) is None else str(why),
             "refused": dict(self.refused),
-            "counters": dict(self.counters),
+            "counters": {**self.counters, **(self.audit.counters if self.audit is not None else {})},
         }
 
     def silent_s(self) -> float:
@@ -236,6 +242,8 @@ class RemoteSamplerProxy:
         return time.monotonic() - (self.last_heard if self.last_heard is not None else self.created)
 
     def why_dead(self) -> BaseException | None:
+        if self.audit is not None and self.audit.quarantined is not None:
+            return SamplerQuarantined(self.audit.quarantined)
         silent = self.silent_s()
         if silent > self.config.sampler_timeout_s:
             return SamplerSilent(f"not heard from for {silent:.1f} s")
@@ -307,7 +315,7 @@ class RemoteSamplerProxy:
         accepted = 0
         for result in results:
             pending = self._pending.get(result.request_id)
-            if pending is None or pending.sent_at is None or pending.future.done():
+            if pending is None or pending.sent_at is None or pending.future.done() or pending.answered:
                 self._refuse(UNKNOWN_REQUEST, f"a result for request {result.request_id!r}, which it was not sent")
                 continue
             try:
@@ -320,10 +328,21 @@ class RemoteSamplerProxy:
                 self.counters["failed"] += 1
                 pending.future.set_exception(RequestFailed(f"remote sampler {self.name!r}: {result.error}"))
                 continue
-            pending.future.set_result(result)
+            pending.answered = True
             accepted += 1
             self.counters["results"] += 1
             self.counters["tokens"] += len(result.token_ids)
+            if self.audit is not None and self.audit.quarantined is not None:
+                self.audit.cut()
+                pending.future.set_exception(SamplerQuarantined(self.audit.quarantined))
+            elif self.audit is None or not self.audit.review(
+                pending.request.model_dump(),
+                result.model_dump(),
+                release=lambda p=pending, r=result: p.future.done() or p.future.set_result(r),
+                refuse=lambda error, p=pending: p.future.done() or p.future.set_exception(error),
+                dtype=self.status.dtype if self.status is not None else None,
+            ):
+                pending.future.set_result(result)
         return {"accepted": accepted, "refused": len(results) - accepted}
 
     def _refuse(self, reason: str, detail: str) -> None:
