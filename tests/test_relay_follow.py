@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,56 +30,56 @@ def wait_for(condition, timeout_s: float = 20.0):
     raise AssertionError("condition not met in time")
 
 
-def test_a_follower_stages_the_newest_version_and_reports_when_it_arrived(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def following(tmp_path: Path, group: int = 0, replica: int = 0) -> Iterator[tuple]:
+    """A learner publishing to a directory store (version 0 held) and a started follower of it; ``publish(v)``
+    trains a step, publishes it as version ``v`` and returns its exact bits."""
     store = RelayStore(str(tmp_path), retry=FAST_RETRY)
     learner = Learner(lr=1e-4)
     publisher = RelayPublisher(store, "run", RelayConfig(keyframe_every=3))
     publisher.hold(0)
-    follower = RelayFollower(RelayPuller(store, "run"), group=1, replica=4, poll_s=0.01)
+    follower = RelayFollower(RelayPuller(store, "run"), group=group, replica=replica, poll_s=0.01)
     follower.start()
-    truth = {}
-    for version in range(1, 6):
+
+    def publish(version: int) -> codec.WeightBits:
         learner.step()
-        truth[version] = codec.WeightBits.from_tensors(learner.weights())
-        published_at = time.time()
+        bits = codec.WeightBits.from_tensors(learner.weights())
         publisher.publish(version, learner.weights())
-        status = wait_for(lambda v=version: (s := follower.status()).staged == v and s)
-        (receipt,) = [r for r in status.receipts if r.version == version]
-        assert (receipt.group, receipt.replica) == (1, 4)
-        assert receipt.arrival >= published_at and receipt.nbytes > 0
-        assert follower.take(version).equal(truth[version])  # the staged copy is exactly that version
-        with pytest.raises(LookupError):
-            follower.take(version)  # taken once
-    follower.stop()
-    publisher.close()
+        return bits
+
+    try:
+        yield follower, publish
+    finally:
+        follower.stop()
+        publisher.close()
+
+
+def test_a_follower_stages_the_newest_version_and_reports_when_it_arrived(tmp_path: Path) -> None:
+    with following(tmp_path, group=1, replica=4) as (follower, publish):
+        for version in range(1, 6):
+            published_at = time.time()
+            truth = publish(version)
+            status = wait_for(lambda v=version: (s := follower.status()).staged == v and s)
+            (receipt,) = [r for r in status.receipts if r.version == version]
+            assert (receipt.group, receipt.replica) == (1, 4)
+            assert receipt.arrival >= published_at and receipt.nbytes > 0
+            assert follower.take(version).equal(truth)  # the staged copy is exactly that version
+            with pytest.raises(LookupError):
+                follower.take(version)  # taken once
 
 
 def test_a_version_reported_as_staged_is_still_there_when_taken_however_many_arrive_meanwhile(tmp_path: Path) -> None:
     """The learner installs the version a status reported; newer versions arriving before it asks (more than the
     follower keeps staged) must not drop that one (a run stopped on "version 34 is not staged (staged: [35, 36])")."""
-    store = RelayStore(str(tmp_path), retry=FAST_RETRY)
-    learner = Learner(lr=1e-4)
-    publisher = RelayPublisher(store, "run", RelayConfig(keyframe_every=3))
-    publisher.hold(0)
-    follower = RelayFollower(RelayPuller(store, "run"), group=0, replica=0, poll_s=0.01)
-    follower.start()
-    truth = {}
-
-    def publish(version: int) -> None:
-        learner.step()
-        truth[version] = codec.WeightBits.from_tensors(learner.weights())
-        publisher.publish(version, learner.weights())
-        wait_for(lambda: version in follower._staged)
-
-    publish(1)
-    assert wait_for(lambda: follower.status().staged == 1)  # reported
-    for version in range(2, 6):  # more than STAGED_KEPT newer versions arrive before the learner asks
-        publish(version)
-    assert follower.take(1).equal(truth[1])  # still staged, exactly
-    assert sorted(follower._staged) == [4, 5]  # the reported one gone once taken; the newest two kept
-    assert follower.status().staged == 5 and follower.take(5).equal(truth[5])
-    follower.stop()
-    publisher.close()
+    with following(tmp_path) as (follower, publish):
+        truth = {1: publish(1)}
+        assert wait_for(lambda: follower.status().staged == 1)  # reported
+        for version in range(2, 6):  # more than STAGED_KEPT newer versions arrive before the learner asks
+            truth[version] = publish(version)
+            wait_for(lambda v=version: v in follower._staged)
+        assert follower.take(1).equal(truth[1])  # still staged, exactly
+        assert sorted(follower._staged) == [4, 5]  # the reported one gone once taken; the newest two kept
+        assert follower.status().staged == 5 and follower.take(5).equal(truth[5])
 
 
 def test_a_slow_link_makes_a_follower_arrive_later_by_its_bytes(tmp_path: Path) -> None:
