@@ -1,4 +1,5 @@
-"""Sampler hosts for the remote-sampler tests: ``python -m gepo_plugin sampler`` as an ordinary process outside Ray.
+"""Sampler hosts for the remote-sampler tests: ``python -m gepo_plugin sampler`` as an ordinary process outside Ray,
+started through ``examples/remote/sampler_host.sh`` as an operator would.
 
 Each host is started in its own process group with nothing of a Ray cluster in its environment (no ``RAY_*``
 variable), exactly as an operator starts one on another machine; the tests talk to it only through the learner's
@@ -18,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+#: what a remote machine runs to start a host (an honest one)
+SAMPLER_HOST_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "remote" / "sampler_host.sh"
 #: vLLM's CPU build, one engine per host: a 1 GiB KV cache, and no thread pinning (two engines would share a core).
 CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
@@ -43,33 +46,16 @@ def start_host(
     lie: str | None = None,
 ) -> tuple[subprocess.Popen, Path]:
     """Start a sampler host (its vLLM on ``vllm_port``, default a free one; ``lie``: a lying host of
-    ``tests/lying_host.py``); returns the process and its log."""
+    ``tests/lying_host.py``); returns the process and its log. An honest host is started as a remote machine starts
+    one: ``examples/remote/sampler_host.sh``, its settings in the script's environment variables (the script execs
+    the host, so the process is the host's)."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"host-{name}.log"
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
     env.update(CPU_ENGINE_ENV, GEPO_SAMPLER_TOKEN=token, PYTHONWARNINGS="ignore")
-    program = ["-m", "gepo_plugin", "sampler"] if lie is None else [str(Path(__file__).with_name("lying_host.py")), lie]
-    command = [
-        sys.executable,
-        *program,
-        "--gateway",
-        gateway,
-        "--name",
-        name,
-        "--public-key",
-        public_key,
-        "--model",
-        model,
+    engine = [
         "--port",
         str(vllm_port or free_port()),
-        "--max-model-len",
-        str(max_model_len),
-        "--dtype",
-        "float32",
-        "--relay-url",
-        relay_url,
-        "--storage-options",
-        json.dumps(storage_options),
         "--vllm-log",
         str(workdir / f"vllm-{name}.log"),
         "--vllm-arg=--enforce-eager",
@@ -77,6 +63,28 @@ def start_host(
         "0.2",
         *extra,
     ]
+    if lie is None:
+        env.update(
+            PYTHON=sys.executable,
+            GATEWAY_URL=gateway,
+            SAMPLER_NAME=name,
+            RELAY_PUBLIC_KEY=public_key,
+            MODEL_PATH=model,
+            MAX_MODEL_LEN=str(max_model_len),
+            DTYPE="float32",
+            RELAY_URL=relay_url,
+            STORAGE_OPTIONS=json.dumps(storage_options),
+        )
+        command = ["bash", str(SAMPLER_HOST_SCRIPT), *engine]
+    else:
+        command = [
+            sys.executable,
+            str(Path(__file__).with_name("lying_host.py")),
+            lie,
+            *("--gateway", gateway, "--name", name, "--public-key", public_key, "--model", model),
+            *("--max-model-len", str(max_model_len), "--dtype", "float32", "--relay-url", relay_url),
+            *("--storage-options", json.dumps(storage_options), *engine),
+        ]
     process = subprocess.Popen(
         command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir
     )

@@ -4,7 +4,9 @@ reward's own cases are in test_math_reward.py).
 
 The GPU runs themselves cannot happen here (no GPUs): what is checked is that every script is valid bash,
 that its printed ``python -m gepo_plugin.main_ppo`` command composes with Hydra (``--cfg job``, the real CLI)
-and, through ``prepare_config`` and verl's ``validate_config``, into the settings the script intends.
+and, through ``prepare_config`` and verl's ``validate_config``, into the settings the script intends. The lab's
+sensitivity sweep runs for real in its quick form, and every script's header says which test runs it (the Slurm
+job and the launch scripts it calls: tests/test_slurm_e2e.py) or why none does.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import cfg_job
@@ -548,3 +552,55 @@ def test_the_sampler_host_script_prints_a_command_its_parser_takes(tmp_path):
         "bfloat16",
     )
     assert args.storage_options == "{}"
+
+
+def test_lab_sensitivity_sweep_runs_in_its_quick_form(tmp_path):
+    """examples/lab/sensitivity.sh executed, in its quick form (two variants, one method, one seed, a few updates, two
+    at a time): each variant's run holds the setting its name says, and the table has a row for each."""
+    env = {
+        **os.environ,
+        **{"PYTHON": sys.executable, "OUT": str(tmp_path), "SEEDS": "0", "METHODS": "gepo", "STEPS": "4", "JOBS": "2"},
+    }
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "lab/sensitivity.sh"), "base", "lr_3e-3"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lr = {}
+    for variant in ("base", "lr_3e-3"):
+        summary = json.loads((tmp_path / variant / "stability_summary.json").read_text())
+        assert (summary["methods"], summary["lags"], summary["seeds"]) == (["gepo"], [64], [0])
+        assert summary["config"]["rl_steps"] == 4
+        lr[variant] = summary["config"]["lr"]
+    assert lr == {"base": 1e-3, "lr_3e-3": 3e-3}
+    table = (tmp_path / "sensitivity.md").read_text().splitlines()
+    rows = [line for line in table[2:] if line.startswith("| ")]  # after the header and its rule
+    assert [row.split("|")[1:3] for row in rows] == [[" base ", " gepo "], [" lr_3e-3 ", " gepo "]], rows
+
+
+#: what a script's header says when a test runs it, or when none does (then why)
+RUN_IN_CI, NOT_RUN = "Run in this repository's CI", "Not executed by the tests:"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        path
+        for path in sorted(EXAMPLES.rglob("*"))
+        if path.suffix in (".sh", ".sbatch", ".py") and path.name != "common.sh"
+    ],
+    ids=lambda path: str(path.relative_to(EXAMPLES)),
+)
+def test_every_example_script_says_which_test_runs_it_or_why_none_does(path):
+    """Each runnable script's header names the tests that execute it (which exist and name the script, or the script
+    that calls it), or says why no test does (common.sh is sourced, never run)."""
+    header = path.read_text()[:6000]
+    assert (RUN_IN_CI in header) != (NOT_RUN in header), path
+    if RUN_IN_CI in header:
+        named = set(re.findall(r"tests/[\w/]+\.py", header))
+        assert named, f"{path}: say which test runs it"
+        for test in named:
+            assert (ROOT / test).is_file(), (path, test)

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Turn a math question/answer dataset into verl's RL parquet format (for the GEPO / HeteroRL examples).
 
+Run in this repository's CI on a local JSONL file (tests/test_examples.py; the Hub datasets are not reachable there).
+
 Each output row has verl's columns::
 
     data_source   the dataset's name (verl routes default rewards by it; the examples use a custom reward)

@@ -3,7 +3,9 @@
 # vLLM rollout replicas) on SAMPLER_NODES other nodes, verl V1 `separate_async` with the plugin's exact
 # staleness bound and simulated log-normal weight-arrival delay (GEPO, arXiv 2508.17850).
 #
-# Resources (estimates; NOT run in this repository's CI, which has no GPUs):
+# Run in this repository's CI on CPU, with a tiny model in place of Qwen: submitted under a real Slurm through
+# examples/slurm/gepo_hetero.sbatch (tests/test_slurm_e2e.py). On GPUs it has not been run here.
+# Resources (estimates for Qwen3-1.7B on GPUs):
 #   GPUs    (LEARNER_NODES + SAMPLER_NODES) nodes x 8 GPUs with >= 40 GB each (80 GB A100/H100 comfortable);
 #           default 1 learner node + 1 sampler node = 16 GPUs
 #   nodes   a running Ray cluster spanning all of them (examples/ray/start_head.sh + start_worker.sh, or

@@ -3,7 +3,10 @@
 # 4 standalone vLLM samplers (one replica per GPU, each its own delay stream), verl V1 `separate_async`.
 # Same settings as run_qwen3_1.7b_gepo_math.sh (which this script calls), only the layout differs.
 #
-# Resources (estimates; NOT run in this repository's CI, which has no GPUs):
+# Not executed by the tests: it is run_qwen3_1.7b_gepo_math.sh, which CI runs under Slurm (tests/test_slurm_e2e.py),
+# with a one-node layout of 4 + 4 GPUs; on CPU that layout is eight processes on a 2-core machine for the same path.
+# tests/test_examples.py resolves its command (layout included) through the launcher's and verl's checks.
+# Resources (estimates):
 #   GPUs    1 node x 8 GPUs with >= 40 GB each (80 GB A100/H100 comfortable)
 #   memory  >= 128 GB host RAM
 #   disk    ~4 GB model cache; ~21 GB per checkpoint x MAX_CKPT_TO_KEEP [3] in CKPT_DIR

@@ -15,7 +15,10 @@
 # attention, no packing); NOT run here: GPUs, Transformer Engine attention, the packed "thd" format that
 # use_remove_padding=True selects, TP/PP above 1, and Megatron-Bridge's default path (Python >= 3.12).
 #
-# Resources (estimates; NOT run in this repository's CI, which has no GPUs): as run_qwen3_1.7b_gepo_math.sh,
+# Not executed by the tests: it is run_qwen3_1.7b_gepo_math.sh (run in CI under Slurm, tests/test_slurm_e2e.py) with
+# LEARNER_ENGINE=megatron, whose engine the Megatron runs above exercise (about 4 minutes each); running the script
+# too would add as much to CI for the same path. tests/test_examples.py resolves its command and its layout checks.
+# Resources (estimates): as run_qwen3_1.7b_gepo_math.sh,
 # plus megatron-core and Transformer Engine on the learner nodes (verl's Megatron install instructions).
 #
 # Environment variables: those of run_qwen3_1.7b_gepo_math.sh (MODEL_PATH, DATA_DIR, LEARNER_NODES, SAMPLER_NODES,

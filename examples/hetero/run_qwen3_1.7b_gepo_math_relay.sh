@@ -3,8 +3,10 @@
 # once to a bucket both sites reach, and every sampler replica pulls exact deltas from it over its own link
 # (hetero.transport=relay; README "Samplers in another cluster"). No NCCL route between the sites is needed.
 #
-# Resources (estimates; NOT run in this repository's CI, which has no GPUs; tests/test_relay_e2e.py runs the same
-# transport on CPU over a local S3 server):
+# Run in this repository's CI on CPU with a tiny model, called by the remote-samplers launch script in the Slurm job
+# (tests/test_slurm_e2e.py; a directory store); tests/test_relay_e2e.py runs the same transport over a local S3
+# server on four Ray nodes. On GPUs it has not been run here.
+# Resources (estimates for the Qwen run on GPUs):
 #   GPUs    as run_qwen3_1.7b_gepo_math.sh: LEARNER_NODES x 8 in the learner's cluster, SAMPLER_NODES x 8 in the
 #           samplers' cluster
 #   nodes   ONE Ray cluster spanning both sites (examples/ray/start_head.sh in the learner's cluster,

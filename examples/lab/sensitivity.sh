@@ -6,6 +6,7 @@
 # log-normal on [4, 256] simulated s, 200 updates) and runs gepo, gspo and grpo at max lag 64 over
 # SEEDS seeds. Outputs: $OUT/<variant>/ (the usual stability files) and $OUT/sensitivity.md (one table).
 #
+# Run in this repository's CI in its quick form (two variants, one method and seed, 4 updates: tests/test_examples.py).
 # Resources: CPU only, one torch thread per process; JOBS variants run at once (default 2).
 # Measured on a 2-core machine with JOBS=2: about 40 minutes for the 8 variants x 3 methods x 3 seeds.
 #

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Start the Ray head on this node (run it first, on the node that will run the launch script).
+# Run in this repository's CI (CPU, logical GPUs): tests/ray_nodes.py starts the multi-node test clusters with it,
+# and the Slurm job's srun steps run it on every node (tests/test_slurm_e2e.py).
 #
 # Resources: one GPU node of the cluster (it also serves as a learner or sampler node: pass its GPUs to Ray);
 # the head's ports must be reachable from every other node: RAY_PORT (GCS), DASHBOARD_PORT, RAY_CLIENT_PORT,

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Join this node to a running Ray cluster (after start_head.sh on the head node).
+# Run in this repository's CI (CPU, logical GPUs): tests/ray_nodes.py starts the multi-node test clusters with it,
+# and the Slurm job's srun steps run it on every node (tests/test_slurm_e2e.py).
 #
 # Resources: one GPU node (learner or sampler); it must reach the head's RAY_PORT and the other nodes' Ray ports,
 # and (for NCCL weight sync between learner and samplers) the other GPU nodes' network. The same Python

@@ -4,7 +4,9 @@
 # examples/remote/sampler_host.sh, follow the relay from RELAY_URL and dial this learner's gateway for work
 # (docs/remote.md). Run this script on the learner's head node.
 #
-# Resources (estimates; NOT run in this repository's CI, which has no GPUs; tests/test_remote_e2e.py runs the same
+# Run in this repository's CI on CPU with a tiny model: the Slurm job's launch script in tests/test_slurm_e2e.py (the
+# gateway open for a declared sampler that does not dial in). On GPUs it has not been run here.
+# Resources (estimates for the Qwen run; tests/test_remote_e2e.py runs the same
 # path on CPU: verl's trainer, an in-cluster vLLM sampler and a sampler host outside Ray, with moto's S3 server):
 #   as run_qwen3_1.7b_gepo_math_relay.sh, plus per remote sampler: one machine with GPUs for vLLM, read access to
 #   the store, and an outbound HTTPS connection to this node's GATEWAY_PORT (the only port opened, on this side)

@@ -2,8 +2,9 @@
 # A remote sampler for examples/remote/run_qwen3_1.7b_gepo_math_remote.sh: vLLM on this machine, joined to the run
 # by URL (python -m gepo_plugin sampler; docs/remote.md). No Ray here, and no port opened: it dials the learner.
 #
-# Resources (estimates; NOT run on GPUs in this repository's CI; tests/test_remote_e2e.py and
-# tests/test_remote_sampler.py run the same command on CPU with vLLM's CPU build):
+# Run in this repository's CI on CPU with vLLM's CPU build: every honest sampler host of tests/test_remote_e2e.py and
+# tests/test_remote_sampler.py is started with this script (tests/remote_hosts.py). On GPUs it has not been run here.
+# Resources (estimates):
 #   GPUs    one vLLM server (ROLLOUT_TP GPUs of >= 40 GB for Qwen3-1.7B; more with --vllm-arg=--data-parallel-size=N)
 #   network outbound HTTPS to GATEWAY_URL; read access to the store (each version: a delta, or a 3.4 GB keyframe)
 #   software gepo-plugin + vLLM 0.24 or 0.30 (pip install gepo-plugin vllm)

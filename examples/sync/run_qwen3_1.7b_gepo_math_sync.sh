@@ -2,7 +2,10 @@
 # Synchronous (online) GEPO baseline on math, Qwen3-1.7B, one 8-GPU node: verl V1 `sync` trainer, vLLM
 # colocated with the FSDP learner (hybrid engine), no HeteroRL delay. The paper's "online" row.
 #
-# Resources (estimates; NOT run in this repository's CI, which has no GPUs):
+# Not executed by the tests: one node of 8 GPUs with vLLM colocated in the learner (verl's hybrid engine), which
+# needs GPUs; verl's sync trainer with GEPO runs on CPU in tests/test_cpu_e2e.py, and tests/test_examples.py
+# resolves this script's command through the launcher's and verl's checks.
+# Resources (estimates):
 #   GPUs    1 node x 8 GPUs with >= 40 GB each (80 GB A100/H100 comfortable)
 #   memory  >= 128 GB host RAM
 #   disk    ~4 GB model cache; ~21 GB per checkpoint x MAX_CKPT_TO_KEEP [3] in CKPT_DIR

@@ -29,6 +29,7 @@ import numpy as np
 import ray
 import torch
 from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from torch.distributed.tensor import DTensor
 from verl.checkpoint_engine.base import (
     CheckpointEngine,
@@ -137,13 +138,23 @@ Mailbox = _define_mailbox()
 def get_or_create_mailbox(name: str, namespace: str | None = None) -> ActorHandle:
     """The named mailbox actor, created on first use; the handle is kept for the process's lifetime.
 
-    It reserves no CPU (it only moves references), so it never blocks Ray's scheduling.
+    It reserves no CPU (it only moves references), so it never blocks Ray's scheduling. It lives on the creator's
+    node (the sender's: trainer rank 0): Ray would place an actor that asks for nothing on any node, and on a
+    sampler's node its loss would take every group's weight sync with it, where NCCL loses only that group's.
     """
     key = (namespace or "", name)
     if key not in _NAMED_ACTORS:
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         _NAMED_ACTORS[key] = (
             ray.remote(Mailbox)
-            .options(name=name, namespace=namespace, get_if_exists=True, num_cpus=0, max_concurrency=1000)
+            .options(
+                name=name,
+                namespace=namespace,
+                get_if_exists=True,
+                num_cpus=0,
+                max_concurrency=1000,
+                scheduling_strategy=here,
+            )
             .remote()
         )
     return _NAMED_ACTORS[key]
