@@ -1,10 +1,10 @@
 """examples/slurm/gepo_hetero.sbatch submitted with ``sbatch`` to a real Slurm on this machine.
 
 ``scripts/slurm/setup.sh`` installs and starts Debian's Slurm 22.05 (munge, MariaDB + slurmdbd, slurmctld) and three
-``slurmd``, each node in its own network namespace (``n1``..``n3`` at 10.77.0.1-3) with its own ``/tmp``, one
-stand-in GPU each; the job's files (the tiny model and data, the store, the output) lie in the shared directory. The job
-is submitted as its header says, from the repository root, with the CPU backend and the tiny model in place of GPUs
-and Qwen through the job's own settings: ``SETUP_COMMAND`` activates this virtual environment on every node, the
+``slurmd``, each node in its own network namespace (``n1``..``n3`` at 10.77.0.1-3) with its own ``/tmp/ray``,
+one stand-in GPU each; the job's files (the tiny model and data, the store, the output) lie in a shared directory.
+The job is submitted as its header says, from the repository root, with the CPU backend and the tiny model in place
+of GPUs and Qwen through the job's own settings: ``SETUP_COMMAND`` activates this virtual environment on every node, the
 launch script's environment (``MODEL_PATH``, ``TRAIN_FILE``, sizes) names the tiny model and data, and the overrides
 appended to ``sbatch`` put the run on the CPU backend while the layout (learner and sampler nodes, GPUs per node) is
 the job's own, read back from Slurm. Nothing in the job is mocked: ``srun`` starts Ray's head and workers on the
@@ -74,7 +74,7 @@ def slurm() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def shared(slurm) -> Path:
-    """A folder every node sees (each node's /tmp is its own): the set-up's shared/ directory."""
+    """A folder for the job's files: the set-up's shared/ directory (every node sees the same file system)."""
     folder = Path(tempfile.mkdtemp(prefix="test-", dir=Path(slurm["SLURM_CONF"]).parents[1] / "shared"))
     yield folder
     shutil.rmtree(folder, ignore_errors=True)

@@ -2,8 +2,9 @@
 # A real Slurm cluster on this one machine, for tests/test_slurm_e2e.py: munge, MariaDB + slurmdbd (so `sacct`
 # answers), slurmctld, and one slurmd per node, each node in its own network namespace (own address 10.77.0.<i>,
 # own loopback, so every node's Ray binds its default ports as on separate machines) joined by a bridge that the
-# controller listens on, and with its own /tmp (as separate machines have: Ray keeps a node's sockets and session
-# there; everything else, the repository and GEPO_SLURM_DIR/shared among it, is the shared file system).
+# controller listens on, and with its own /tmp/ray (Ray's default session folder, per machine as on separate machines:
+# two nodes joining at once through one shared folder time out). Everything else is the shared file system, the
+# repository and the jobs' files included, wherever they lie (/tmp too).
 # Debian's packages (slurm-wlm 22.05, munge, slurmdbd, MariaDB) are installed with apt-get.
 #
 # Idempotent: a second run with the same settings finds everything up and does nothing; different settings restart
@@ -13,8 +14,8 @@
 # Environment variables (defaults in brackets):
 #   GEPO_SLURM_NODES [3]  nodes n1..nN         GEPO_SLURM_GPUS [1]  GRES gpus per node (stand-in device files)
 #   GEPO_SLURM_CPUS [64]  CPUs each node declares (SlurmdParameters=config_overrides: more than the machine has)
-#   GEPO_SLURM_DIR [/var/lib/gepo-slurm]  configuration, state, logs, the database, the nodes' /tmp, and shared/ (for
-#     jobs' files); not under /tmp, which each node has its own of
+#   GEPO_SLURM_DIR [/var/lib/gepo-slurm]  configuration, state, logs, the database, the nodes' /tmp/ray, and shared/
+#     (a folder for jobs' files)
 # Undo with scripts/slurm/teardown.sh.
 set -euo pipefail
 
@@ -73,10 +74,6 @@ wait_for() {
   done
 }
 
-if [[ "$DIR" == /tmp || "$DIR" == /tmp/* ]]; then
-  echo "GEPO_SLURM_DIR=$DIR is under /tmp, which each node has its own of: choose another directory" >&2
-  exit 2
-fi
 mkdir -p "$DIR"/{etc,state,log,spool,run,db,shared}
 chmod 755 "$DIR"
 chmod 1777 "$DIR/shared"
@@ -120,7 +117,7 @@ for ((i = 1; i <= NODES; i++)); do
 done
 new_conf="$(
   cat <<EOF
-# written by scripts/slurm/setup.sh (each node n<i> in network namespace n<i> with its own /tmp)
+# written by scripts/slurm/setup.sh (each node n<i> in network namespace n<i> with its own /tmp/ray)
 ClusterName=gepo
 SlurmctldHost=$(hostname -s)($CONTROLLER_IP)
 MailProg=/bin/true
@@ -221,12 +218,13 @@ fi
 for ((i = 1; i <= NODES; i++)); do
   if ! alive "$DIR/run/slurmd-n$i.pid"; then
     say "starting slurmd n$i ($SUBNET.$i)"
-    mkdir -p "$DIR/nodes/n$i/tmp"
-    chmod 1777 "$DIR/nodes/n$i/tmp"
-    # its own mount namespace with its own /tmp; nsenter, not `ip netns exec`, which remounts /sys for the namespace
+    mkdir -p "$DIR/nodes/n$i/ray" /tmp/ray
+    chmod 1777 "$DIR/nodes/n$i/ray" /tmp/ray
+    # its own mount namespace with its own /tmp/ray; nsenter, not `ip netns exec`, which remounts /sys for the namespace
     # and hides the cgroup mounts slurmd needs
-    unshare --mount --propagation private bash -c 'mount --bind "$1" /tmp && exec nsenter --net="$2" slurmd -N "$3"' \
-      _ "$DIR/nodes/n$i/tmp" "/run/netns/n$i" "n$i"
+    unshare --mount --propagation private \
+      bash -c 'mount --bind "$1" /tmp/ray && exec nsenter --net="$2" slurmd -N "$3"' _ "$DIR/nodes/n$i/ray" \
+      "/run/netns/n$i" "n$i"
   fi
 done
 # ready: every node idle; a node drained by an earlier configuration (e.g. fewer GPUs) is resumed once it registered
