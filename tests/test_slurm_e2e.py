@@ -2,7 +2,7 @@
 
 ``scripts/slurm/setup.sh`` installs and starts Debian's Slurm 22.05 (munge, MariaDB + slurmdbd, slurmctld) and three
 ``slurmd``, each node in its own network namespace (``n1``..``n3`` at 10.77.0.1-3) with its own ``/tmp/ray``,
-one stand-in GPU each; the job's files (the tiny model and data, the store, the output) lie in a shared directory.
+one stand-in GPU each; the job's files (the tiny model and data, the store, the output) lie in pytest's folders.
 The job is submitted as its header says, from the repository root, with the CPU backend and the tiny model in place
 of GPUs and Qwen through the job's own settings: ``SETUP_COMMAND`` activates this virtual environment on every node, the
 launch script's environment (``MODEL_PATH``, ``TRAIN_FILE``, sizes) names the tiny model and data, and the overrides
@@ -25,10 +25,8 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -73,16 +71,8 @@ def slurm() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def shared(slurm) -> Path:
-    """A folder for the job's files: the set-up's shared/ directory (every node sees the same file system)."""
-    folder = Path(tempfile.mkdtemp(prefix="test-", dir=Path(slurm["SLURM_CONF"]).parents[1] / "shared"))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(shared) -> dict[str, str]:
-    return write_all(shared / "tiny")
+def tiny(tmp_path_factory) -> dict[str, str]:
+    return write_all(tmp_path_factory.mktemp("tiny_slurm"))  # every node sees this machine's files (all but /tmp/ray)
 
 
 def cpu_overrides(tiny: dict[str, str], metrics: Path) -> list[str]:
@@ -106,7 +96,8 @@ def cpu_overrides(tiny: dict[str, str], metrics: Path) -> list[str]:
 
 def job_env(slurm: dict[str, str], tiny: dict[str, str], workdir: Path, steps: int, extra: dict[str, str]):
     """The submitting shell's environment (``sbatch`` exports it to the job): the launch script's settings for the
-    tiny task, and SETUP_COMMAND, which every node runs first."""
+    tiny task, and SETUP_COMMAND, which every node runs first. A new Ray token: the job's cluster carries it."""
+    new_cluster_token()
     return {
         **os.environ,
         **CLUSTER_ENV,
@@ -150,6 +141,16 @@ def submit(env: dict[str, str], workdir: Path, overrides: list[str]) -> tuple[st
     return job, workdir / f"job-{job}.out"
 
 
+#: states of a job that has not ended (its accounting record is final only after them)
+ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING")
+
+
+def job_active(env: dict[str, str], job: str) -> bool:
+    """The job has not ended (or Slurm's accounting has no record of it yet)."""
+    record = sacct(env, job).get(job)
+    return record is None or record[0] in ACTIVE
+
+
 def sacct(env: dict[str, str], job: str) -> dict[str, tuple[str, str, str]]:
     """Slurm's accounting of the job and its steps: id -> (state, exit code, nodes)."""
     done = subprocess.run(
@@ -169,7 +170,7 @@ def gateway_answer(env: dict[str, str], job: str, timeout_s: float = 600) -> int
     url = f"http://{HEAD}:{GATEWAY_PORT}/v1/samplers/far/hello"
     request = urllib.request.Request(url, headers={"Authorization": "Bearer not-the-token-of-far"})
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and sacct(env, job).get(job, ("PENDING",))[0] in ("PENDING", "RUNNING"):
+    while time.monotonic() < deadline and job_active(env, job):
         try:
             with urllib.request.urlopen(request, timeout=2) as response:
                 return response.status
@@ -184,21 +185,20 @@ def wait_for_end(env: dict[str, str], job: str, output: Path, timeout_s: float) 
     """The job's final (state, exit code) once ``sacct`` has its whole record (written a moment after the end)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        record = sacct(env, job).get(job)
-        if record and record[0] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"):
-            return record[0], record[1]
+        if not job_active(env, job):
+            state, code, _ = sacct(env, job)[job]
+            return state, code
         time.sleep(2)
     subprocess.run(["scancel", job], env=env, timeout=30)
     text = output.read_text() if output.exists() else "(no output)"
     raise AssertionError(f"job {job} did not end within {timeout_s} s:\n{text[-6000:]}")
 
 
-def test_the_remote_samplers_job_trains_on_the_slurm_nodes_and_completes(slurm, tiny, shared, tmp_path):
+def test_the_remote_samplers_job_trains_on_the_slurm_nodes_and_completes(slurm, tiny, tmp_path):
     """LAUNCH: the remote-samplers launch script, which runs the relay's, which runs the HeteroRL one: weights through
     a signed directory store, the gateway open for a declared remote sampler (none dials in: a remote group starts
     empty and joins when one does, so the in-cluster samplers train alone)."""
-    steps, keep, tmp_path = 8, tmp_path, shared / "remote"
-    tmp_path.mkdir()
+    steps = 8
     metrics = tmp_path / "metrics.jsonl"
     private, public = generate_pair()
     settings = {
@@ -210,13 +210,10 @@ def test_the_remote_samplers_job_trains_on_the_slurm_nodes_and_completes(slurm, 
         "GEPO_TEST_REMOTE_TOKEN": secrets.token_urlsafe(24),
     }
     env = job_env(slurm, tiny, tmp_path, steps, settings)
-    new_cluster_token()  # the job's Ray cluster and the probes carry its token
-    env.update(CLUSTER_ENV)
     job, output = submit(env, tmp_path, cpu_overrides(tiny, metrics))
     answer = gateway_answer(env, job)
     state, code = wait_for_end(env, job, output, 900)
     text = output.read_text()
-    (keep / output.name).write_text(text)  # the shared folder goes with the module; pytest keeps its own a while
     # the gateway listened on the head node, reachable from outside the cluster, and refused a wrong token
     assert answer == 401, answer
     assert (state, code) == ("COMPLETED", "0:0"), text[-6000:]
@@ -260,22 +257,19 @@ def running_step_on(env: dict[str, str], job: str, node: str) -> str:
     raise AssertionError(f"no running step of job {job} on {node}: {sacct(env, job)}")
 
 
-def test_a_node_whose_ray_step_ends_mid_run_fails_the_job_naming_it(slurm, tiny, shared, tmp_path):
+def test_a_node_whose_ray_step_ends_mid_run_fails_the_job_naming_it(slurm, tiny, tmp_path):
     """The header's promise: a Ray step that ends while the job trains fails the job, with a message naming the
     node. The sampler on that node is lost and the run goes on with the other (training ends normally), so only the
     job's own check tells that a node went missing."""
-    steps, keep, tmp_path = 12, tmp_path, shared / "simulated"
-    tmp_path.mkdir()
+    steps = 12
     metrics = tmp_path / "metrics.jsonl"
     env = job_env(slurm, tiny, tmp_path, steps, {"DELAY_LOW": "0.2", "DELAY_HIGH": "1.0"})
-    new_cluster_token()
-    env.update(CLUSTER_ENV)
     # the simulated transport's NCCL (the launch script's) becomes the CPU backend's mailbox between Ray nodes
     overrides = [*cpu_overrides(tiny, metrics), "actor_rollout_ref.rollout.checkpoint_engine.backend=ray_mailbox"]
     job, output = submit(env, tmp_path, overrides)
     deadline = time.monotonic() + 600
     while 2 not in read_metrics(metrics):
-        assert time.monotonic() < deadline and sacct(env, job).get(job, ("RUNNING",))[0] in ("PENDING", "RUNNING"), (
+        assert time.monotonic() < deadline and job_active(env, job), (
             output.read_text()[-6000:] if output.exists() else "no output"
         )
         time.sleep(1)
@@ -284,7 +278,6 @@ def test_a_node_whose_ray_step_ends_mid_run_fails_the_job_naming_it(slurm, tiny,
     subprocess.run(["scancel", doomed], env=env, check=True, timeout=30)  # that node's Ray ends (ray stop's signal)
     state, code = wait_for_end(env, job, output, 900)
     text = output.read_text()
-    (keep / output.name).write_text(text)
     assert (state, code) == ("FAILED", "1:0"), text[-6000:]
     assert f"gepo_hetero.sbatch: the Ray step on {node} (srun pid" in text, text[-6000:]
     # the run itself went on to its last step without the lost sampler, and the job still failed

@@ -14,8 +14,7 @@
 # Environment variables (defaults in brackets):
 #   GEPO_SLURM_NODES [3]  nodes n1..nN         GEPO_SLURM_GPUS [1]  GRES gpus per node (stand-in device files)
 #   GEPO_SLURM_CPUS [64]  CPUs each node declares (SlurmdParameters=config_overrides: more than the machine has)
-#   GEPO_SLURM_DIR [/var/lib/gepo-slurm]  configuration, state, logs, the database, the nodes' /tmp/ray, and shared/
-#     (a folder for jobs' files)
+#   GEPO_SLURM_DIR [/var/lib/gepo-slurm]  configuration, state, logs, the database and the nodes' /tmp/ray
 # Undo with scripts/slurm/teardown.sh.
 set -euo pipefail
 
@@ -74,9 +73,8 @@ wait_for() {
   done
 }
 
-mkdir -p "$DIR"/{etc,state,log,spool,run,db,shared}
+mkdir -p "$DIR"/{etc,state,log,spool,run,db}
 chmod 755 "$DIR"
-chmod 1777 "$DIR/shared"
 
 # ---------------------------------------------------------------- munge
 if ! alive /run/munge/munged.pid; then
