@@ -107,3 +107,23 @@ def test_within_the_budget_nothing_is_clipped_and_without_harmful_tokens_neither
     assert (m2_bounds(new, old, advantages, mask, 1.0).low, m2_bounds(new, old, advantages, mask, 1.0).high) == NO_CLIP
     assert m2_bounds(old.clone(), old, advantages, mask, 0.04).harmful_tokens == 0
     assert math.isfinite(m2_bounds(new, old, advantages, mask, 1e-6).high)
+
+
+def test_the_token_losses_are_their_clipped_surrogate_and_clipped_tokens_get_no_gradient():
+    """Their surrogate with the widths they derive (1 - low and high - 1, then 1 -/+ width), and the gradient: zero
+    exactly on the tokens reported clipped, -A r elsewhere."""
+    from gepo_plugin.maths.m2po import m2po_token_losses
+
+    new, old, advantages, mask = batch(7, spread=0.5)
+    bounds = m2_bounds(new, old, advantages, mask, 0.04)
+    assert bounds.low < 1 < bounds.high < NO_CLIP[1]
+    width_low, width_high = 1 - bounds.low, bounds.high - 1
+    ratio = torch.exp(new - old)
+    expected = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - width_low, 1 + width_high))
+    leaf = new.clone().requires_grad_(True)
+    losses, clipped = m2po_token_losses(leaf, old, advantages, bounds)
+    torch.testing.assert_close(losses, expected, rtol=1e-14, atol=1e-15)
+    (losses * mask).sum().backward()
+    assert clipped.any() and (~clipped).any()
+    assert torch.all(leaf.grad[clipped] == 0)
+    torch.testing.assert_close(leaf.grad[~clipped], (-advantages * ratio * mask)[~clipped])

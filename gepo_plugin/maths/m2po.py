@@ -78,3 +78,14 @@ def m2_bounds(
     if tau is None:
         return M2Bounds(*NO_CLIP, m2, m2_after, delta_sq.numel())
     return M2Bounds(math.exp(-tau), math.exp(tau), m2, m2_after, delta_sq.numel())
+
+
+def m2po_token_losses(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, bounds: M2Bounds
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token losses of ``compute_m2po_policy_loss``: PPO's clipped surrogate max(-A r, -A clip(r, low, high))
+    with M2PO's bounds (no dual clip), and where the clip bound (the token gets no gradient there)."""
+    ratio = torch.exp(log_prob - old_log_prob)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, bounds.low, bounds.high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
