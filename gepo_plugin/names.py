@@ -1,7 +1,11 @@
 """Names the plugin registers with verl (kept free of imports so probes can read them cheaply)."""
 
-#: The plugin's policy losses; each reads the per-prompt group term the plugin's trainers compute.
-POLICY_LOSSES = ("gepo", "gepo_plus")
+#: The GEPO losses; each reads the per-prompt group term the plugin's trainers compute.
+GEPO_LOSSES = ("gepo", "gepo_plus")
+#: M2PO's loss (arXiv 2510.01161): PPO's clip with bounds from the harmful tokens' second moment.
+M2PO_LOSS = "m2po"
+#: Every policy loss the plugin registers.
+POLICY_LOSSES = (*GEPO_LOSSES, M2PO_LOSS)
 ADVANTAGE_ESTIMATORS = ("bnpo", "delta_l")
 #: verl's V1 trainer modes (``trainer.v1.trainer_mode``).
 VERL_TRAINER_MODES = ("sync", "colocate_async", "separate_async")

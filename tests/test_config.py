@@ -101,6 +101,54 @@ def test_gepo_without_the_group_term_trainer_fails_at_start_up():
     )
 
 
+M2PO_SWITCH = "ray_kwargs.ray_init.runtime_env.env_vars.GEPO_M2PO_MINI_BATCH"
+
+
+def test_m2po_over_mini_batches_gets_the_trainer_and_the_switch_it_needs():
+    config = composed("algorithm.loss=m2po")
+    assert config.trainer.v1.trainer_mode == "gepo_sync"
+    assert OmegaConf.select(config, M2PO_SWITCH) == "1"
+    assert config.actor_rollout_ref.actor.policy_loss.m2_scope == "mini_batch"
+    assert config.algorithm.rollout_correction.bypass_mode is True
+    # the authors' scope needs neither the measuring pass nor its switch
+    assert (
+        OmegaConf.select(
+            composed("algorithm.loss=m2po", "actor_rollout_ref.actor.policy_loss.m2_scope=micro_batch"), M2PO_SWITCH
+        )
+        is None
+    )
+    # GEPO runs get no switch
+    assert OmegaConf.select(composed("algorithm.loss=gepo"), M2PO_SWITCH) is None
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=m2po"], "m2_scope=mini_batch .*=sync does not install"),
+        (["algorithm.loss=m2po", f"+{M2PO_SWITCH}='0'"], "GEPO_M2PO_MINI_BATCH='0'"),
+        (["algorithm.loss=m2po", "actor_rollout_ref.actor.policy_loss.m2_budget=-1"], "m2_budget"),
+        (["algorithm.loss=m2po", "actor_rollout_ref.actor.policy_loss.m2_scope=step"], "m2_scope"),
+        (["algorithm.loss=gepo", "actor_rollout_ref.actor.policy_loss.m2_budget=0.1"], "loss_mode=m2po"),
+        (["algorithm.loss=m2po", "actor_rollout_ref.actor.policy_loss.group_scope=batch"], "loss_mode=gepo"),
+    ],
+)
+def test_impossible_m2po_settings_are_refused_naming_the_key(overrides, match):
+    with pytest.raises(PluginConfigError, match=match):
+        composed(*overrides)
+
+
+def test_m2po_over_mini_batches_refuses_megatron_pipeline_stages():
+    stages = "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"
+    with pytest.raises(PluginConfigError, match="pipeline_model_parallel_size=2"):
+        composed("algorithm.loss=m2po", "model_engine=megatron", stages)
+    composed(
+        "algorithm.loss=m2po",
+        "model_engine=megatron",
+        stages,
+        "actor_rollout_ref.actor.policy_loss.m2_scope=micro_batch",
+    )
+
+
 @pytest.mark.parametrize(
     "override,match",
     [

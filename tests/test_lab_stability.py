@@ -146,18 +146,20 @@ def test_cli_rejects_bad_values(capsys) -> None:
 
 def test_methods_follow_the_plugin_presets() -> None:
     specs = {name: MethodSpec.from_preset(name) for name in METHODS}
-    assert specs["gepo"].loss_mode == "gepo" and specs["gepo"].needs_group_term and not specs["gepo"].norm_by_std
+    assert specs["gepo"].loss_mode == "gepo" and specs["gepo"].needs_response_terms and not specs["gepo"].norm_by_std
     assert specs["gspo"].loss_mode == "gspo" and specs["gspo"].norm_by_std
     assert specs["grpo"].loss_mode == "vanilla" and specs["grpo"].norm_by_std
     assert specs["dr_grpo"].loss_agg_mode == "seq-mean-token-sum-norm" and not specs["dr_grpo"].norm_by_std
     assert specs["bnpo"].estimator == "bnpo"
-    assert all(spec.clip_low == spec.clip_high == 0.2 for spec in specs.values())
+    assert all(spec.clip_low == spec.clip_high == 0.2 for name, spec in specs.items() if name != "m2po")
+    # M2PO: its bounds come from its budget, verl's clip is left alone; the lab's batch gets the mini-batch scope
+    assert specs["m2po"].clip_low is None and specs["m2po"].loss_mode == "m2po" and specs["m2po"].needs_response_terms
     # GEPO+'s two lab variants: the one registered loss, its mode reaching verl's actor config
     from gepo_plugin.lab.stability_sim import actor_config_for
 
     for name, mode in (("gepo_plus", "hard"), ("gepo_plus_soft", "soft")):
         spec = specs[name]
-        assert spec.loss_mode == "gepo_plus" and spec.needs_group_term and spec.gepo_plus_rule().mode == mode
+        assert spec.loss_mode == "gepo_plus" and spec.needs_response_terms and spec.gepo_plus_rule().mode == mode
         assert actor_config_for(spec).policy_loss.gepo_plus_mode == mode
     assert specs["gepo"].gepo_plus_rule() is None
 
@@ -190,6 +192,14 @@ def test_clip_option_reaches_the_loss(tmp_path: Path) -> None:
     tight = run_lab(tmp_path / "tight", clip=0.01, **kwargs)
     assert tight["config"]["clip"] == 0.01 and default["config"]["clip"] is None
     assert tight["runs"][0]["clipfrac_mean"] > default["runs"][0]["clipfrac_mean"] + 0.05
+
+
+def test_m2po_clips_only_stale_batches(tmp_path: Path) -> None:
+    """The lab's m2po gets the mini-batch's cap: on-policy (p = q) no token is harmful and nothing is clipped; with
+    stale batches the second moment exceeds the authors' budget and the bounds exp(+-tau) clip."""
+    summary = run_lab(tmp_path, methods=["m2po"], lags=[0, 8], rl_steps=12, eval_every=12)
+    clipped = {run["max_lag"]: run["clipfrac_mean"] for run in summary["runs"]}
+    assert clipped[0] == 0.0 and clipped[8] > 0.01, clipped
 
 
 def test_reward_is_exact_answer_then_eos() -> None:

@@ -1,8 +1,8 @@
-"""M2PO's budget (gepo_plugin/maths/m2po.py) against a transcription of the authors' code, in float64.
+"""M2PO's budget and loss (gepo_plugin/maths/m2po.py) against a transcription of the authors' code, in float64.
 
-The transcription follows ``Infini-AI-Lab/M2PO`` at ``4514ce2``, ``verl/trainer/ppo/core_algos.py``: its Python loop
-over the sorted squared log-ratios, its tolerances, its harmful-token selection; only ``torch.tensor(+-tau)`` is taken
-in float64 (theirs is float32: a rounding of the bound, not of the method). Work in progress (issue 40).
+The transcription follows ``Infini-AI-Lab/M2PO`` at ``4514ce2``, ``verl/trainer/ppo/core_algos.py`` lines 683-867
+line for line: the Python loop over the sorted squared log-ratios, the tolerances, the harmful-token selection, the
+float32 ``torch.exp(torch.tensor(+-tau))`` of the bounds, the clip widths and the clipped surrogate.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from gepo_plugin.maths.m2po import NO_CLIP, harmful_delta_sq, m2_bounds, solve_tau
+from gepo_plugin.maths.m2po import NO_CLIP, harmful_delta_sq, m2_cap, m2po_token_losses, solve_cap
 
 
 def their_solve_tau(sorted_delta2: torch.Tensor, target_sum: float):
@@ -58,9 +58,21 @@ def their_bounds(old_log_prob, log_prob, advantages, response_mask, budget):
     if m2_now <= budget + 1e-12:
         return 0.0, 100000, m2_now, m2_now
     tau, m2_after = their_solve_tau(torch.sort(tr)[0], budget * float(token_num))
-    low = float(torch.exp(torch.tensor(-tau, dtype=torch.float64)).item())
-    high = float(torch.exp(torch.tensor(+tau, dtype=torch.float64)).item())
+    low = float(torch.exp(torch.tensor(-tau)).item())  # torch's default dtype: float32, as theirs
+    high = float(torch.exp(torch.tensor(+tau)).item())
     return low, high, m2_now, m2_after
+
+
+def their_loss(old_log_prob, log_prob, advantages, response_mask, budget):
+    """``compute_m2po_policy_loss`` with the scripts' ``miniclip_low/high=None``: the per-token losses before
+    ``agg_loss`` and the clipped fraction."""
+    clip_low, clip_high, _, _ = their_bounds(old_log_prob, log_prob, advantages, response_mask, budget)
+    clip_low = 1 - clip_low
+    clip_high = clip_high - 1
+    ratio = torch.exp(log_prob - old_log_prob)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    return torch.maximum(pg_losses1, pg_losses2), torch.gt(pg_losses2, pg_losses1)
 
 
 def batch(seed: int, rows: int = 12, length: int = 20, spread: float = 0.3):
@@ -76,15 +88,16 @@ def batch(seed: int, rows: int = 12, length: int = 20, spread: float = 0.3):
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("budget", [0.001, 0.04, 0.2])
-def test_the_bounds_are_the_authors(seed, budget):
+def test_the_cap_and_the_losses_are_the_authors(seed, budget):
     new, old, advantages, mask = batch(seed)
-    ours = m2_bounds(new, old, advantages, mask, budget)
+    ours = m2_cap(new, old, advantages, mask, budget)
     low, high, m2, m2_after = their_bounds(old, new, advantages, mask, budget)
-    if (low, high) == (0.0, 100000):
-        assert (ours.low, ours.high) == NO_CLIP
-    else:
-        assert ours.low == pytest.approx(low, rel=1e-15) and ours.high == pytest.approx(high, rel=1e-15)
+    assert (ours.tau is None) == ((low, high) == (0.0, 100000))
+    assert ours.ratio_bounds() == (1 - (1 - low), 1 + (high - 1))  # bit for bit
     assert ours.m2 == pytest.approx(m2, rel=1e-12) and ours.m2_after == pytest.approx(m2_after, rel=1e-12)
+    losses, clipped = m2po_token_losses(new, old, advantages, ours.ratio_bounds())
+    their_losses, their_clipped = their_loss(old, new, advantages, mask, budget)
+    assert torch.equal(losses, their_losses) and torch.equal(clipped, their_clipped)
 
 
 def test_the_cap_brings_the_second_moment_within_the_budget():
@@ -93,7 +106,8 @@ def test_the_cap_brings_the_second_moment_within_the_budget():
     new, old, advantages, mask = batch(3, rows=64, spread=0.5)
     delta_sq = harmful_delta_sq(new, old, advantages, mask)
     budget = 0.04
-    tau, m2, m2_after = solve_tau(delta_sq, budget)
+    cap = solve_cap(delta_sq, budget)
+    tau, m2, m2_after = cap.tau, cap.m2, cap.m2_after
     assert m2 > budget and tau is not None
     capped = torch.clamp(delta_sq, max=tau**2 + 1e-12)
     assert float(capped.mean()) == pytest.approx(m2_after, rel=1e-9)
@@ -104,20 +118,28 @@ def test_the_cap_brings_the_second_moment_within_the_budget():
 
 def test_within_the_budget_nothing_is_clipped_and_without_harmful_tokens_neither():
     new, old, advantages, mask = batch(5, spread=0.01)
-    assert (m2_bounds(new, old, advantages, mask, 1.0).low, m2_bounds(new, old, advantages, mask, 1.0).high) == NO_CLIP
-    assert m2_bounds(old.clone(), old, advantages, mask, 0.04).harmful_tokens == 0
-    assert math.isfinite(m2_bounds(new, old, advantages, mask, 1e-6).high)
+    assert m2_cap(new, old, advantages, mask, 1.0).ratio_bounds() == NO_CLIP
+    assert m2_cap(old.clone(), old, advantages, mask, 0.04).harmful_tokens == 0
+    assert math.isfinite(m2_cap(new, old, advantages, mask, 1e-6).ratio_bounds()[1])
+
+
+def test_a_zero_budget_clips_every_harmful_token():
+    """Their solver returns a bare 0.0 there, which their caller cannot unpack; here tau is 0: bounds [1, 1]."""
+    new, old, advantages, mask = batch(2, spread=0.3)
+    cap = m2_cap(new, old, advantages, mask, 0.0)
+    assert cap.tau == 0.0 and cap.ratio_bounds() == (1.0, 1.0)
+    _, clipped = m2po_token_losses(new, old, advantages, cap.ratio_bounds())
+    harmful = ((advantages[:, :1] > 0) & (new > old)) | ((advantages[:, :1] < 0) & (new < old))
+    assert torch.equal(clipped & mask.bool(), harmful & mask.bool())
 
 
 def test_the_token_losses_are_their_clipped_surrogate_and_clipped_tokens_get_no_gradient():
     """Their surrogate with the widths they derive (1 - low and high - 1, then 1 -/+ width), and the gradient: zero
     exactly on the tokens reported clipped, -A r elsewhere."""
-    from gepo_plugin.maths.m2po import m2po_token_losses
-
     new, old, advantages, mask = batch(7, spread=0.5)
-    bounds = m2_bounds(new, old, advantages, mask, 0.04)
-    assert bounds.low < 1 < bounds.high < NO_CLIP[1]
-    width_low, width_high = 1 - bounds.low, bounds.high - 1
+    bounds = m2_cap(new, old, advantages, mask, 0.04).ratio_bounds()
+    assert bounds[0] < 1 < bounds[1] < NO_CLIP[1]
+    width_low, width_high = 1 - bounds[0], bounds[1] - 1
     ratio = torch.exp(new - old)
     expected = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - width_low, 1 + width_high))
     leaf = new.clone().requires_grad_(True)

@@ -33,10 +33,10 @@ def option_surfaces() -> dict[str, type[BaseModel]]:
     from gepo_plugin import config_keys as keys
     from gepo_plugin.cpu_backend.rollout.options import HFRolloutOptions
     from gepo_plugin.hetero.settings import HeteroConfig
-    from gepo_plugin.maths.options import BNPOOptions, DeltaLOptions, GEPOOptions
+    from gepo_plugin.maths.options import BNPOOptions, DeltaLOptions, PolicyLossOptions
 
     return {
-        keys.POLICY_LOSS: GEPOOptions,
+        keys.POLICY_LOSS: PolicyLossOptions,
         keys.BNPO_OPTIONS: BNPOOptions,
         keys.DELTA_L_OPTIONS: DeltaLOptions,
         keys.HETERO: HeteroConfig,
@@ -176,8 +176,9 @@ def preset_markdown() -> str:
     for preset in PRESETS.values():
         lines += [f"### `algorithm.loss={preset.name}`", "", _cell(preset.summary), "", "| key | value |", "|---|---|"]
         lines += [f"| `{key}` | `{_value(value)}` |" for key, value in preset.settings.items()]
-        if preset.needs_group_term:
-            lines.append("| `trainer.v1.trainer_mode` | `gepo_<mode>` (the plugin's trainer computes the group term) |")
+        if preset.needs_response_terms:
+            note = "the plugin's trainer hands the loss per-response terms"
+            lines.append(f"| `trainer.v1.trainer_mode` | `gepo_<mode>` ({note}) |")
         lines.append("")
     return "\n".join(lines)
 

@@ -8,7 +8,7 @@ that define them (:mod:`gepo_plugin.maths.options`, :mod:`gepo_plugin.hetero.set
 from hydra.core.config_store import ConfigStore
 
 from gepo_plugin.hetero.settings import HeteroConfig
-from gepo_plugin.maths.options import BNPOOptions, DeltaLOptions, GEPOOptions
+from gepo_plugin.maths.options import BNPOOptions, DeltaLOptions, PolicyLossOptions
 from gepo_plugin.options import defaults_of
 
 #: ``_target_`` verl instantiates for ``actor_rollout_ref.actor.policy_loss`` (verl's config plus GEPO's options).
@@ -16,7 +16,7 @@ POLICY_LOSS_TARGET = "gepo_plugin.verl_glue.config.GEPOPolicyLossConfig"
 
 #: ConfigStore name -> the node (the yaml's defaults list places each one).
 NODES = {
-    "gepo_policy_loss": {"_target_": POLICY_LOSS_TARGET, **defaults_of(GEPOOptions)},
+    "gepo_policy_loss": {"_target_": POLICY_LOSS_TARGET, **defaults_of(PolicyLossOptions)},
     "gepo_bnpo": defaults_of(BNPOOptions),
     "gepo_delta_l": defaults_of(DeltaLOptions),
     "gepo_hetero": defaults_of(HeteroConfig),

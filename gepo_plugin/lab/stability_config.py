@@ -32,9 +32,10 @@ METHOD_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "bnpo": ("bnpo", {}),
     "gepo_plus": ("gepo_plus", {"gepo_plus_mode": "hard"}),
     "gepo_plus_soft": ("gepo_plus", {"gepo_plus_mode": "soft"}),
+    "m2po": ("m2po", {}),
 }
 METHODS: tuple[str, ...] = tuple(METHOD_PRESETS)
-Method = Literal["gepo", "gspo", "grpo", "dr_grpo", "bnpo", "gepo_plus", "gepo_plus_soft"]
+Method = Literal["gepo", "gspo", "grpo", "dr_grpo", "bnpo", "gepo_plus", "gepo_plus_soft", "m2po"]
 
 
 class StabilityConfigError(OptionsError):

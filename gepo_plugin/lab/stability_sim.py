@@ -68,7 +68,9 @@ from gepo_plugin.maths import (
     sequence_log_prob,
 )
 from gepo_plugin.maths.gepo_plus import GEPOPlusRule
-from gepo_plugin.maths.options import GEPOOptions
+from gepo_plugin.maths.m2po import m2_cap
+from gepo_plugin.maths.options import PolicyLossOptions
+from gepo_plugin.verl_glue.m2po_mini_batch import cap_fields, mini_batch_budget
 from gepo_plugin.verl_glue.presets import PRESETS
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, provide_response_terms
 
@@ -81,6 +83,7 @@ OWN_WEIGHT = {
     "bnpo": "token_is",
     "gepo_plus": "gepo_plus",
     "gepo_plus_soft": "gepo_plus",
+    "m2po": "token_is",
 }
 
 __all__ = [
@@ -96,6 +99,10 @@ __all__ = [
 ]
 
 
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """The verl settings of one family member, read from the plugin's preset table (one source of truth)."""
@@ -105,9 +112,10 @@ class MethodSpec:
     loss_agg_mode: str
     estimator: str
     norm_by_std: bool
-    clip_low: float
-    clip_high: float
-    needs_group_term: bool
+    #: verl's ratio clip (None: the preset leaves it to verl, as M2PO's, whose loss does not read it)
+    clip_low: float | None
+    clip_high: float | None
+    needs_response_terms: bool
     #: policy-loss options of a variant (``actor_rollout_ref.actor.policy_loss.<key>=<value>``)
     loss_options: tuple[tuple[str, Any], ...] = ()
 
@@ -124,9 +132,9 @@ class MethodSpec:
             loss_agg_mode=str(settings[keys.LOSS_AGG_MODE]),
             estimator=str(settings[keys.ADV_ESTIMATOR]),
             norm_by_std=bool(settings.get(keys.NORM_ADV_BY_STD, False)),
-            clip_low=float(settings[keys.CLIP_RATIO_LOW]),
-            clip_high=float(settings[keys.CLIP_RATIO_HIGH]),
-            needs_group_term=preset.needs_group_term,
+            clip_low=_float_or_none(settings.get(keys.CLIP_RATIO_LOW)),
+            clip_high=_float_or_none(settings.get(keys.CLIP_RATIO_HIGH)),
+            needs_response_terms=preset.needs_response_terms,
             loss_options=tuple(sorted(loss_options.items())),
         )
 
@@ -134,7 +142,7 @@ class MethodSpec:
         """GEPO+'s denominator rule with this variant's options (None for other methods)."""
         if self.loss_mode != "gepo_plus":
             return None
-        options = GEPOOptions(**dict(self.loss_options))
+        options = PolicyLossOptions(**dict(self.loss_options))
         return GEPOPlusRule(options.gepo_plus_mode, options.gepo_plus_kl_threshold)
 
     def with_clip(self, clip: float) -> MethodSpec:
@@ -172,7 +180,8 @@ def actor_config_for(spec: MethodSpec):
     # lazy: verl (seconds to import) only once a run needs its loss, so gepo-lab starts at once
     import verl  # noqa: F401  (verl's plugin entry point registers the gepo loss on import)
 
-    import gepo_plugin.verl_glue.losses  # noqa: F401  (and make sure, if entry points are not installed)
+    import gepo_plugin.verl_glue.losses  # (and make sure, if entry points are not installed)
+    import gepo_plugin.verl_glue.m2po_loss  # noqa: F401
     from gepo_plugin.verl_glue.loss_batch import compose_actor_config
 
     config = compose_actor_config(
@@ -181,8 +190,11 @@ def actor_config_for(spec: MethodSpec):
             "ppo_micro_batch_size_per_gpu=1",
             f"policy_loss.loss_mode={spec.loss_mode}",
             f"loss_agg_mode={spec.loss_agg_mode}",
-            f"clip_ratio_low={spec.clip_low}",
-            f"clip_ratio_high={spec.clip_high}",
+            *(
+                f"{key}={value}"
+                for key, value in (("clip_ratio_low", spec.clip_low), ("clip_ratio_high", spec.clip_high))
+                if value is not None
+            ),
             *(f"policy_loss.{key}={value}" for key, value in spec.loss_options),
         ]
     )
@@ -263,10 +275,12 @@ def policy_update(
         rollout_is_weights=None,
     )
     log_e = group_log_expectation_from_tokens(old_log_prob, mask, group_ids)
-    if spec.needs_group_term:
-        with provide_response_terms({LOG_GROUP_EXPECTATION: log_e}):
-            loss, loss_metrics = loss_fn(**kwargs)
-    else:
+    # what the plugin's trainer and engine hand a verl loss beside verl's fields (the lab's batch is one mini-batch)
+    terms = {LOG_GROUP_EXPECTATION: log_e}
+    budget = mini_batch_budget(config)
+    if budget is not None:
+        terms.update(cap_fields(m2_cap(log_prob, old_log_prob, advantages, mask, budget), len(tokens)))
+    with provide_response_terms(terms):
         loss, loss_metrics = loss_fn(**kwargs)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

@@ -43,7 +43,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from gepo_plugin.lab.plots import plots_available
-from gepo_plugin.maths.options import GEPO_DEFAULTS
+from gepo_plugin.maths.options import POLICY_LOSS_DEFAULTS
 
 FloatArray = NDArray[np.float64]
 
@@ -525,7 +525,7 @@ def run_variance(
     """
     from gepo_plugin.lab.variance_plus import summarise_plus, var_gepo_plus  # optional: scipy, the [lab] extra
 
-    threshold = GEPO_DEFAULTS.gepo_plus_kl_threshold if gepo_plus_threshold is None else gepo_plus_threshold
+    threshold = POLICY_LOSS_DEFAULTS.gepo_plus_kl_threshold if gepo_plus_threshold is None else gepo_plus_threshold
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     draw = plots_available()

@@ -29,7 +29,7 @@ import torch
 from gepo_plugin.maths.gepo_metrics import gepo_metrics, step_totals
 from gepo_plugin.maths.gepo_plus import GEPOPlusRule
 from gepo_plugin.maths.groups import GroupIndex, segment_logsumexp, segment_sum
-from gepo_plugin.maths.options import GEPO_DEFAULTS, MAX_LOG_RATIO_CAP
+from gepo_plugin.maths.options import MAX_LOG_RATIO_CAP, POLICY_LOSS_DEFAULTS
 
 
 class GEPOInputError(ValueError):
@@ -224,8 +224,8 @@ def gepo_token_losses(
     log_group_expectation: torch.Tensor,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    sampler_kl_coef: float = GEPO_DEFAULTS.sampler_kl_coef,
-    log_ratio_cap: float = GEPO_DEFAULTS.log_ratio_cap,
+    sampler_kl_coef: float = POLICY_LOSS_DEFAULTS.sampler_kl_coef,
+    log_ratio_cap: float = POLICY_LOSS_DEFAULTS.log_ratio_cap,
     plus: GEPOPlusRule | None = None,
 ) -> GEPOLossTerms:
     """GEPO's clipped surrogate per token, plus the optional k3 KL toward the sampler.

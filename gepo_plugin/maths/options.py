@@ -1,18 +1,19 @@
-"""The options of GEPO's loss and of the BNPO and ΔL estimators: each default is written here and only here.
+"""The options of the plugin's policy losses (GEPO, GEPO+, M2PO) and of the BNPO and ΔL estimators: each default is
+written here and only here.
 
-verl users set them as ``actor_rollout_ref.actor.policy_loss.<option>`` (GEPO) and ``algorithm.bnpo.<option>``
+verl users set them as ``actor_rollout_ref.actor.policy_loss.<option>`` (the losses) and ``algorithm.bnpo.<option>``
 / ``algorithm.delta_l.<option>``; the Hydra nodes, the verl config dataclass
 (:class:`gepo_plugin.verl_glue.config.GEPOPolicyLossConfig`), the loss and the estimators all read these models.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
 from gepo_plugin import config_keys
-from gepo_plugin.options import STRICT_BLOCK
+from gepo_plugin.options import STRICT_BLOCK, parse_options
 
 #: Largest accepted cap on ``log w``: exp(80) is close to float32's limit (exp(88.7) overflows), so the
 #: weight the loss uses and every statistic of it stay finite.
@@ -24,8 +25,8 @@ BNPO_OPTIONS_KEY = config_keys.BNPO_OPTIONS
 DELTA_L_OPTIONS_KEY = config_keys.DELTA_L_OPTIONS
 
 
-class GEPOOptions(BaseModel):
-    """GEPO's options, beside verl's own policy-loss keys."""
+class PolicyLossOptions(BaseModel):
+    """The plugin's policy-loss options (GEPO, GEPO+, M2PO), beside verl's own policy-loss keys."""
 
     model_config = STRICT_BLOCK
 
@@ -63,6 +64,22 @@ class GEPOOptions(BaseModel):
         allow_inf_nan=False,
         description="loss_mode=gepo_plus only: the sequence-mean k3 KL between learner and sampler where the "
         "denominator switches (hard) or its temperature (soft); the authors' kl_temp, default 0.002",
+    )
+    m2_budget: float = Field(
+        0.04,
+        ge=0,
+        allow_inf_nan=False,
+        description="loss_mode=m2po only: the bound on the mean squared log-ratio of the harmful tokens (positive "
+        "advantage with p > q, negative with p < q); above it the clip bounds become exp(-tau) and exp(tau) with the "
+        "cap tau that brings it within (M2PO, arXiv 2510.01161; the authors' scripts: 0.04). 0 clips every harmful "
+        "token",
+    )
+    m2_scope: Literal["mini_batch", "micro_batch"] = Field(
+        "mini_batch",
+        description="loss_mode=m2po only. mini_batch: the second moment runs over the whole mini-batch on every "
+        "data-parallel rank, measured by a forward pass before the update (one more forward per mini-batch), so "
+        "the result does not depend on how verl splits it; micro_batch: over the micro-batch the loss is handed, as "
+        "the authors' code does (to reproduce their numbers)",
     )
 
 
@@ -104,7 +121,16 @@ class DeltaLOptions(BaseModel):
 
 #: The options only ``loss_mode=gepo_plus`` reads.
 GEPO_PLUS_FIELDS: tuple[str, ...] = ("gepo_plus_mode", "gepo_plus_kl_threshold")
+#: The options only ``loss_mode=m2po`` reads.
+M2PO_FIELDS: tuple[str, ...] = ("m2_budget", "m2_scope")
 
-GEPO_DEFAULTS = GEPOOptions()
+POLICY_LOSS_DEFAULTS = PolicyLossOptions()
 BNPO_DEFAULTS = BNPOOptions()
 DELTA_L_DEFAULTS = DeltaLOptions()
+
+
+def policy_loss_options(policy_loss: Any) -> PolicyLossOptions:
+    """The plugin's loss options from a policy-loss config: the plugin's dataclass, verl's plain one (defaults), or a
+    config node (read by attribute; what it lacks keeps its default)."""
+    values = {name: getattr(policy_loss, name) for name in PolicyLossOptions.model_fields if hasattr(policy_loss, name)}
+    return parse_options(PolicyLossOptions, values, GEPO_OPTIONS_KEY)

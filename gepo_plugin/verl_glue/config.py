@@ -1,40 +1,33 @@
-"""Config dataclasses that extend verl's, so GEPO's options live where verl users expect them.
+"""Config dataclasses that extend verl's, so the plugin's loss options live where verl users expect them.
 
 Only ``config.actor_rollout_ref`` reaches verl's workers, so the loss options sit under
 ``actor_rollout_ref.actor.policy_loss``. verl's ``PolicyLossConfig`` rejects unknown keys; this subclass,
-selected with ``policy_loss._target_``, adds GEPO's. The options themselves (names, defaults, limits) are
-:class:`gepo_plugin.maths.options.GEPOOptions`; this class only carries them through verl's dataclass machinery.
+selected with ``policy_loss._target_``, adds the plugin's (GEPO's, GEPO+'s, M2PO's). The options themselves (names,
+defaults, limits) are :class:`gepo_plugin.maths.options.PolicyLossOptions`; this class only carries them through
+verl's dataclass machinery.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from verl.workers.config import PolicyLossConfig
 
-from gepo_plugin.maths.options import GEPO_DEFAULTS, GEPO_OPTIONS_KEY, GEPOOptions
-from gepo_plugin.options import parse_options
-
-#: The fields GEPO adds to verl's policy-loss config.
-GEPO_FIELDS: tuple[str, ...] = tuple(GEPOOptions.model_fields)
+from gepo_plugin.maths.options import POLICY_LOSS_DEFAULTS, policy_loss_options
 
 
 @dataclass
 class GEPOPolicyLossConfig(PolicyLossConfig):
-    """verl's policy-loss config plus GEPO's options (see :class:`~gepo_plugin.maths.options.GEPOOptions`)."""
+    """verl's policy-loss config plus the plugin's loss options (:class:`~gepo_plugin.maths.options.
+    PolicyLossOptions`)."""
 
-    group_scope: str = GEPO_DEFAULTS.group_scope
-    sampler_kl_coef: float = GEPO_DEFAULTS.sampler_kl_coef
-    log_ratio_cap: float = GEPO_DEFAULTS.log_ratio_cap
-    gepo_plus_mode: str = GEPO_DEFAULTS.gepo_plus_mode
-    gepo_plus_kl_threshold: float = GEPO_DEFAULTS.gepo_plus_kl_threshold
+    group_scope: str = POLICY_LOSS_DEFAULTS.group_scope
+    sampler_kl_coef: float = POLICY_LOSS_DEFAULTS.sampler_kl_coef
+    log_ratio_cap: float = POLICY_LOSS_DEFAULTS.log_ratio_cap
+    gepo_plus_mode: str = POLICY_LOSS_DEFAULTS.gepo_plus_mode
+    gepo_plus_kl_threshold: float = POLICY_LOSS_DEFAULTS.gepo_plus_kl_threshold
+    m2_budget: float = POLICY_LOSS_DEFAULTS.m2_budget
+    m2_scope: str = POLICY_LOSS_DEFAULTS.m2_scope
 
     def __post_init__(self):
-        gepo_options(self)
-
-
-def gepo_options(policy_loss: Any) -> GEPOOptions:
-    """GEPO's options from a policy-loss config: the plugin's dataclass, verl's plain one (defaults), or a node."""
-    values = {name: getattr(policy_loss, name) for name in GEPO_FIELDS if hasattr(policy_loss, name)}
-    return parse_options(GEPOOptions, values, GEPO_OPTIONS_KEY)
+        policy_loss_options(self)

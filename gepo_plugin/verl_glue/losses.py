@@ -30,7 +30,7 @@ from gepo_plugin.hetero.lag_buckets import BY_LAG, IS_BY_LAG, weight_sums_by_lag
 from gepo_plugin.maths import GroupIndex, gepo_token_losses, group_log_expectation, sequence_log_prob
 from gepo_plugin.maths.gepo_metrics import STEP_STATISTICS, STEP_TOTALS, TOTALS, stats_from_totals
 from gepo_plugin.maths.gepo_plus import GEPOPlusRule
-from gepo_plugin.verl_glue.config import gepo_options
+from gepo_plugin.maths.options import policy_loss_options
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, RESPONSE_LAG, current_response_terms
 
 GROUP_TERM_MISSING = (
@@ -133,7 +133,7 @@ def _gepo_family_loss(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     if config is None:
         raise ValueError("the gepo losses need the actor config (verl passes it as `config`)")
-    options = gepo_options(config.policy_loss)
+    options = policy_loss_options(config.policy_loss)
     group_scope = options.group_scope
     log_denominator = resolve_log_group_expectation(old_log_prob, response_mask, group_scope)
     low, high = _clip_range(config)

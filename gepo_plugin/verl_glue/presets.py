@@ -32,7 +32,8 @@ from gepo_plugin.verl_glue.errors import PluginConfigError
 
 @dataclass(frozen=True)
 class LossPreset:
-    """A named loss: its verl settings and whether it needs the plugin's trainer-side group term.
+    """A named loss: its verl settings and whether it reads per-response terms that the plugin's trainer hands it
+    (GEPO's group term, M2PO's mini-batch cap).
 
     ``defines`` are the settings that make the member what it is (its loss mode, and for BNPO and ΔL its
     estimator): setting one of them explicitly to another value contradicts ``algorithm.loss`` and is an error.
@@ -42,7 +43,7 @@ class LossPreset:
     name: str
     summary: str
     settings: Mapping[str, Any] = field(default_factory=dict)
-    needs_group_term: bool = False
+    needs_response_terms: bool = False
     defines: tuple[str, ...] = (LOSS_MODE,)
 
 
@@ -66,7 +67,7 @@ PRESETS: dict[str, LossPreset] = {
                 BYPASS_MODE: True,
                 **_ppo_clip(0.2, 0.2),
             },
-            needs_group_term=True,
+            needs_response_terms=True,
         ),
         LossPreset(
             "gepo_plus",
@@ -81,7 +82,21 @@ PRESETS: dict[str, LossPreset] = {
                 BYPASS_MODE: True,
                 **_ppo_clip(0.2, 0.2),
             },
-            needs_group_term=True,
+            needs_response_terms=True,
+        ),
+        LossPreset(
+            "m2po",
+            "M2PO (arXiv 2510.01161, the authors' code): PPO's clip with bounds exp(+-tau) that keep the harmful "
+            "tokens' mean squared log-ratio within policy_loss.m2_budget, over the mini-batch; sampler log-probs as "
+            "the behaviour policy (bypass mode)",
+            {
+                LOSS_MODE: "m2po",
+                ADV_ESTIMATOR: "grpo",
+                NORM_ADV_BY_STD: True,
+                LOSS_AGG_MODE: "token-mean",
+                BYPASS_MODE: True,
+            },
+            needs_response_terms=True,
         ),
         LossPreset(
             "grpo",

@@ -36,12 +36,19 @@ PLACEMENT_ENV = "GEPO_LEARNER_RESOURCE"
 #: The switch of patches/replay_buffer_poll.py (:data:`gepo_plugin.verl_glue.replay_wait.PACED_POLL_ENV`), set to
 #: ``1`` by the launcher in every run's Ray runtime env.
 PACED_POLL_ENV = "GEPO_PACED_REPLAY_POLL"
+#: The switch of patches/m2po_mini_batch.py (:data:`gepo_plugin.verl_glue.m2po_mini_batch.SWITCH_KEY`), set to ``1``
+#: by the launcher in the runs that train M2PO over whole mini-batches.
+M2PO_MINI_BATCH_ENV = "GEPO_M2PO_MINI_BATCH"
 
 logger = logging.getLogger("gepo_plugin")
 
 #: verl module (that defines a registry) -> the plugin modules that register with it when imported.
 REGISTRATIONS: dict[str, tuple[str, ...]] = {
-    "verl.trainer.ppo.core_algos": ("gepo_plugin.verl_glue.losses", "gepo_plugin.verl_glue.advantages"),
+    "verl.trainer.ppo.core_algos": (
+        "gepo_plugin.verl_glue.losses",
+        "gepo_plugin.verl_glue.m2po_loss",
+        "gepo_plugin.verl_glue.advantages",
+    ),
     "verl.trainer.ppo.v1": ("gepo_plugin.verl_glue.trainers",),
 }
 
@@ -107,6 +114,12 @@ def _apply_learner_placement() -> None:
     apply_optional("learner_placement", "verl's own services may land on sampler nodes", logger)
 
 
+def _apply_m2po_mini_batch() -> None:
+    from gepo_plugin.patching import apply_named  # lazy: keeps import verl cheap
+
+    apply_named("m2po_mini_batch")
+
+
 def install_hooks(hooks) -> None:
     """``(verl module, action, step name)`` triples: run each action, recorded, once its module is imported."""
     for module, action, step in hooks:
@@ -121,7 +134,8 @@ def install() -> None:
     learner nodes' resource (``GEPO_LEARNER_RESOURCE``): verl's services are kept there once verl's V1 trainer
     package (imported by the TaskRunner before it creates them) is imported. Every run the launcher starts sets
     ``GEPO_PACED_REPLAY_POLL=1``: verl's replay buffer is paced once that package is imported (before the trainer
-    builds its buffer).
+    builds its buffer). Runs of M2PO over whole mini-batches set ``GEPO_M2PO_MINI_BATCH=1``: verl's engines measure
+    each mini-batch before they train it, once verl's engine base module is imported.
     """
     for verl_module, plugin_modules in REGISTRATIONS.items():
         on_import(verl_module, lambda _module, mods=plugin_modules: import_registering(mods))
@@ -134,6 +148,11 @@ def install() -> None:
         on_import(
             "verl.trainer.ppo.v1",
             lambda _module: run_recorded("pace the replay buffer's polls", _apply_replay_buffer_poll),
+        )
+    if os.environ.get(M2PO_MINI_BATCH_ENV) == "1":
+        on_import(
+            "verl.workers.engine.base",
+            lambda _module: run_recorded("measure M2PO's mini-batches", _apply_m2po_mini_batch),
         )
     if os.environ.get(PLACEMENT_ENV):
         on_import(

@@ -1,4 +1,4 @@
-"""Per-response terms computed by the trainer and handed to a registered policy loss.
+"""Per-response terms computed by the trainer (or before verl's update) and handed to a registered policy loss.
 
 Why this exists: verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) keeps only five fields of the
 micro-batch before it calls a registered policy loss, and verl repartitions responses across ranks and
@@ -29,8 +29,12 @@ LOG_GROUP_EXPECTATION = "gepo_log_group_expectation"
 
 #: Field with each response's staleness (learner version - oldest weight version of its group), HeteroRL only.
 RESPONSE_LAG = "gepo_response_lag"
+#: M2PO's cap over the mini-batch (``m2_scope=mini_batch``), the same in every row of it: tau (-1: none), the harmful
+#: tokens' second moment before and after capping, and their count
+#: (:mod:`gepo_plugin.verl_glue.m2po_mini_batch` writes them before verl splits the mini-batch).
+M2PO_CAP_FIELDS: tuple[str, ...] = ("m2po_log_ratio_cap", "m2po_m2", "m2po_m2_after", "m2po_harmful_tokens")
 #: All per-response fields the loss wrapper forwards.
-RESPONSE_TERM_FIELDS: tuple[str, ...] = (LOG_GROUP_EXPECTATION, RESPONSE_LAG)
+RESPONSE_TERM_FIELDS: tuple[str, ...] = (LOG_GROUP_EXPECTATION, RESPONSE_LAG, *M2PO_CAP_FIELDS)
 
 _CURRENT_TERMS: ContextVar[Mapping[str, torch.Tensor] | None] = ContextVar("gepo_response_terms", default=None)
 

@@ -67,6 +67,8 @@ FEATURES: dict[str, str] = {
     "server_identity": "HeteroRL per-sampler-group throughput (hetero/sampler_group_<i>/trained_*)",
     "rollout_watchdog": "a rollout replica that dies ends a run without HeteroRL with an error naming it (gepo_sync, "
     "gepo_colocate_async), instead of verl waiting for ever",
+    "m2po_mini_batch": "M2PO's cap over whole mini-batches (policy_loss.m2_scope=mini_batch): each mini-batch is "
+    "measured by the engine's forward before the engine trains it",
     "vllm_engine_health": "a vLLM rollout server whose engine died counts as lost (health probes, rollout.name=vllm)",
     "weight_relay": "HeteroRL's weight relay (hetero.transport=relay): weights through a store, real arrivals",
     "paced_replay_poll": "verl's replay buffer waits for rollouts in paced polls (20 ms on small batches) instead of "
@@ -135,6 +137,21 @@ _ROUTER = "verl.workers.rollout.router"  # verl 0.9.1's home of the load balance
 _MEGATRON_RANDOM = "megatron.core.tensor_parallel.random"
 
 CONTACTS: tuple[Contact, ...] = (
+    Contact(
+        "verl.workers.engine.base",
+        "BaseEngine.train_batch",
+        ("m2po_mini_batch",),
+        "wrap (patch): measure the mini-batch with infer_batch before verl trains it",
+        ("self", "data", "loss_function"),
+        source_marker="self.forward_backward_batch(data, loss_function, forward_only=False)",
+    ),
+    Contact(
+        "verl.workers.engine.base",
+        "BaseEngine.infer_batch",
+        ("m2po_mini_batch",),
+        "call: the mini-batch's log-probs under the current policy (model_output['log_probs'], no gradient)",
+        ("self", "data", "loss_function"),
+    ),
     # the plugin's trainers (ResponseTermsMixin, HeteroMixin) extend these steps of verl's V1 trainer
     Contact(_TRAINER, "PPOTrainer._setup", ("group_term", "hetero"), "override: install the loss wrapper", ("self",)),
     Contact(

@@ -1,7 +1,8 @@
 """Which trainer runs: ``trainer.v1.trainer_mode`` is decided here, once, from the loss preset and ``hetero.enable``.
 
-The user names one of verl's modes (``sync``, ``colocate_async``, ``separate_async``). GEPO's per-prompt group term
-needs the plugin's trainer of that mode (``gepo_<mode>``); HeteroRL needs ``separate_async`` with the plugin's
+The user names one of verl's modes (``sync``, ``colocate_async``, ``separate_async``). A loss that reads per-response
+terms (GEPO's per-prompt group term, M2PO's mini-batch cap) needs the plugin's trainer of that mode (``gepo_<mode>``),
+which installs the loss wrapper that hands them over; HeteroRL needs ``separate_async`` with the plugin's
 books and weight sync (``gepo_separate_async`` for GEPO, ``hetero_separate_async`` otherwise). Both rules meet in
 :func:`decide_trainer_mode`, so their order cannot matter.
 """
@@ -18,12 +19,12 @@ from gepo_plugin.verl_glue.errors import PluginConfigError
 HETERO_TRAINERS = (HETERO_TRAINER, GEPO_TRAINER_FOR_MODE["separate_async"])
 
 
-def decide_trainer_mode(requested: str, group_term: bool, hetero: bool) -> str:
-    """The trainer to run for the ``requested`` mode, when the loss needs GEPO's ``group_term`` and when HeteroRL
+def decide_trainer_mode(requested: str, response_terms: bool, hetero: bool) -> str:
+    """The trainer to run for the ``requested`` mode, when the loss needs ``response_terms`` and when HeteroRL
     is on; a mode HeteroRL cannot run on is an error naming the fix. Any other name (a user's own registered
     trainer) is kept, and checked against verl's registry at start-up."""
     mode = requested
-    if group_term and mode in GEPO_TRAINER_FOR_MODE:
+    if response_terms and mode in GEPO_TRAINER_FOR_MODE:
         mode = GEPO_TRAINER_FOR_MODE[mode]
     if not hetero:
         return mode
@@ -38,9 +39,9 @@ def decide_trainer_mode(requested: str, group_term: bool, hetero: bool) -> str:
     return mode
 
 
-def settle_trainer_mode(config: DictConfig, group_term: bool, hetero: bool) -> str:
+def settle_trainer_mode(config: DictConfig, response_terms: bool, hetero: bool) -> str:
     """Write :func:`decide_trainer_mode`'s answer into ``config`` (the launcher's one call) and return it."""
-    mode = decide_trainer_mode(OmegaConf.select(config, TRAINER_MODE), group_term, hetero)
+    mode = decide_trainer_mode(OmegaConf.select(config, TRAINER_MODE), response_terms, hetero)
     with open_dict(config):
         OmegaConf.update(config, TRAINER_MODE, mode, force_add=True)
     return mode

@@ -24,6 +24,8 @@ from pydantic import BaseModel
 
 from gepo_plugin.config_keys import (
     ACTOR,
+    ACTOR_PIPELINE_PARALLEL,
+    ACTOR_STRATEGY,
     ADV_ESTIMATOR,
     BNPO_OPTIONS,
     BYPASS_MODE,
@@ -56,10 +58,11 @@ from gepo_plugin.config_keys import (
 from gepo_plugin.config_tree import NO_USER_KEYS, UserKeys, leaves
 from gepo_plugin.hetero.settings import HeteroSettings, rollout_replica_count
 from gepo_plugin.maths.gepo import check_clip_range
-from gepo_plugin.maths.options import GEPO_PLUS_FIELDS, BNPOOptions, DeltaLOptions, GEPOOptions
-from gepo_plugin.names import GEPO_TRAINER_FOR_MODE, POLICY_LOSSES, TRAINERS, VERL_TRAINER_MODES
+from gepo_plugin.maths.options import GEPO_PLUS_FIELDS, M2PO_FIELDS, BNPOOptions, DeltaLOptions, PolicyLossOptions
+from gepo_plugin.names import GEPO_LOSSES, GEPO_TRAINER_FOR_MODE, M2PO_LOSS, TRAINERS, VERL_TRAINER_MODES
 from gepo_plugin.options import did_you_mean, parse_options
 from gepo_plugin.verl_glue.errors import PluginConfigError
+from gepo_plugin.verl_glue.m2po_mini_batch import check_switch
 from gepo_plugin.verl_glue.rollout_checks import check_rollout
 
 __all__ = ["PluginConfigError", "validate_plugin_config"]
@@ -173,11 +176,11 @@ def _check_separate_async(config: DictConfig) -> None:
 def _check_guard_has_weights(config: DictConfig, hetero: HeteroSettings) -> None:
     """The guard reads the step's ESS/N of ``p_i / q_i`` (``actor/gepo/ess_step``); only GEPO's losses report it."""
     loss_mode = _select(config, LOSS_MODE)
-    if hetero.enable and hetero.guard.enable and loss_mode not in POLICY_LOSSES:
+    if hetero.enable and hetero.guard.enable and loss_mode not in GEPO_LOSSES:
         raise PluginConfigError(
             f"{HETERO}.guard.enable=true reads the ESS/N of the trained batch's sequence ratios p_i/q_i, which the "
-            f"{' and '.join(POLICY_LOSSES)} losses report (actor/gepo/ess_step), but {LOSS_MODE}={loss_mode}: use "
-            f"algorithm.loss={POLICY_LOSSES[0]} (or {POLICY_LOSSES[1]}), or set {HETERO}.guard.enable=false"
+            f"{' and '.join(GEPO_LOSSES)} losses report (actor/gepo/ess_step), but {LOSS_MODE}={loss_mode}: use "
+            f"algorithm.loss={GEPO_LOSSES[0]} (or {GEPO_LOSSES[1]}), or set {HETERO}.guard.enable=false"
         )
 
 
@@ -188,15 +191,19 @@ def _check_hetero_layout(config: DictConfig, hetero: HeteroSettings) -> None:
         hetero.group_sizes(*rollout_replica_count(config.actor_rollout_ref.rollout))
 
 
+def _loss_modes_reading(option: str) -> tuple[str, ...]:
+    """The loss modes that read ``policy_loss.<option>``."""
+    if option in GEPO_PLUS_FIELDS:
+        return ("gepo_plus",)
+    return (M2PO_LOSS,) if option in M2PO_FIELDS else GEPO_LOSSES
+
+
 #: Option blocks that only one setting reads: a value given there while that setting is off would do nothing.
 OWNED_BLOCKS = (
     (f"{HETERO}.", HETERO_ENABLE, (True,)),
     (f"{BNPO_OPTIONS}.", ADV_ESTIMATOR, ("bnpo",)),
     (f"{DELTA_L_OPTIONS}.", ADV_ESTIMATOR, ("delta_l",)),
-    *(
-        (f"{POLICY_LOSS}.{name}", LOSS_MODE, ("gepo_plus",) if name in GEPO_PLUS_FIELDS else POLICY_LOSSES)
-        for name in GEPOOptions.model_fields
-    ),
+    *((f"{POLICY_LOSS}.{name}", LOSS_MODE, _loss_modes_reading(name)) for name in PolicyLossOptions.model_fields),
 )
 
 
@@ -239,9 +246,9 @@ def _computes_group_term(mode: str) -> bool:
 def _option_blocks(config: DictConfig) -> dict[str, BaseModel]:
     """Every option block of the plugin's losses and estimators, parsed (each refused with its key if it is wrong):
     GEPO's fields of ``policy_loss``, BNPO's and Delta-L's blocks."""
-    policy_loss = {k: v for k, v in (_select(config, POLICY_LOSS) or {}).items() if k in GEPOOptions.model_fields}
+    policy_loss = {k: v for k, v in (_select(config, POLICY_LOSS) or {}).items() if k in PolicyLossOptions.model_fields}
     blocks = {
-        POLICY_LOSS: (GEPOOptions, policy_loss),
+        POLICY_LOSS: (PolicyLossOptions, policy_loss),
         **{
             key: (model, _plain(_select(config, key)))
             for model, key in ((BNPOOptions, BNPO_OPTIONS), (DeltaLOptions, DELTA_L_OPTIONS))
@@ -250,7 +257,7 @@ def _option_blocks(config: DictConfig) -> dict[str, BaseModel]:
     return {key: parse_options(model, block, key, PluginConfigError) for key, (model, block) in blocks.items()}
 
 
-def _check_gepo(config: DictConfig, options: GEPOOptions, warnings: list[str]) -> None:
+def _check_gepo(config: DictConfig, options: PolicyLossOptions, warnings: list[str]) -> None:
     mode, loss_mode = _select(config, TRAINER_MODE), _select(config, LOSS_MODE)
     if options.group_scope == "prompt" and not _computes_group_term(mode):
         suggestion = GEPO_TRAINER_FOR_MODE.get(mode)
@@ -271,6 +278,36 @@ def _check_gepo(config: DictConfig, options: GEPOOptions, warnings: list[str]) -
         warnings.append(
             f"loss_mode={loss_mode} without {BYPASS_MODE}=true: q is the recomputed old policy, not the sampler's "
             "log-probs the paper's weight is defined with"
+        )
+
+
+def _check_m2po(config: DictConfig, options: PolicyLossOptions, warnings: list[str]) -> None:
+    if options.m2_scope == "mini_batch":
+        mode = _select(config, TRAINER_MODE)
+        if not _computes_group_term(mode):
+            suggestion = GEPO_TRAINER_FOR_MODE.get(mode)
+            fix = (
+                f"set {TRAINER_MODE}={suggestion} (or use algorithm.loss=m2po, which does)"
+                if suggestion
+                else (f"use one of {', '.join(GEPO_TRAINER_FOR_MODE.values())}")
+            )
+            raise PluginConfigError(
+                f"{POLICY_LOSS}.m2_scope=mini_batch hands each micro-batch's loss the mini-batch's cap through the "
+                f"plugin's loss wrapper, which {TRAINER_MODE}={mode} does not install: {fix}, or set "
+                f"{POLICY_LOSS}.m2_scope=micro_batch (the authors' scope)"
+            )
+        pipeline = _select(config, ACTOR_PIPELINE_PARALLEL, 1)
+        if _select(config, ACTOR_STRATEGY) == "megatron" and isinstance(pipeline, int) and pipeline > 1:
+            raise PluginConfigError(
+                f"{POLICY_LOSS}.m2_scope=mini_batch measures the mini-batch with every rank's log-probs, which "
+                f"pipeline-parallel stages other than the last do not have ({ACTOR_PIPELINE_PARALLEL}={pipeline}): "
+                f"set {POLICY_LOSS}.m2_scope=micro_batch or {ACTOR_PIPELINE_PARALLEL}=1"
+            )
+        check_switch(config)
+    if not _select(config, BYPASS_MODE, False):
+        warnings.append(
+            f"loss_mode={M2PO_LOSS} without {BYPASS_MODE}=true: the old log-probs are the learner's recomputed ones, "
+            "not the behaviour policy's (the sampler's) that M2PO's ratio is defined with"
         )
 
 
@@ -298,8 +335,10 @@ def validate_plugin_config(config: DictConfig, hetero: HeteroSettings, explicit:
             f"false means the sampler returns none: set {CALCULATE_LOG_PROBS}=true (GEPO needs them), or "
             f"{BYPASS_MODE}=false"
         )
-    if _select(config, LOSS_MODE, "vanilla") in POLICY_LOSSES:
+    if _select(config, LOSS_MODE, "vanilla") in GEPO_LOSSES:
         _check_gepo(config, options[POLICY_LOSS], warnings)
+    if _select(config, LOSS_MODE) == M2PO_LOSS:
+        _check_m2po(config, options[POLICY_LOSS], warnings)
     estimator = _select(config, ADV_ESTIMATOR)
     if estimator in GROUP_ESTIMATORS:
         needs = f"{ADV_ESTIMATOR}={estimator} compares the responses to one prompt"
