@@ -202,6 +202,27 @@ def test_m2po_clips_only_stale_batches(tmp_path: Path) -> None:
     assert clipped[0] == 0.0 and clipped[8] > 0.01, clipped
 
 
+def test_verls_rollout_correction_weighs_only_what_the_sampler_got_wrong(tmp_path: Path) -> None:
+    """verl's decoupled sequence-level truncated IS, computed by verl's function on the lab's batches: on-policy the
+    sampler's log-probs are the learner's, so every weight is 1; stale, they are not."""
+    summary = run_lab(
+        tmp_path, methods=["grpo"], lags=[0, 8], rl_steps=8, eval_every=8, rollout_correction="decoupled_seq_is"
+    )
+    weights = {run["max_lag"]: run["rollout_correction"] for run in summary["runs"]}
+    assert weights[0]["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert weights[0]["rollout_corr/rollout_is_std"] == pytest.approx(0.0, abs=1e-6)
+    assert weights[8]["rollout_corr/rollout_is_std"] > 0.03  # 0.12 when measured
+    assert weights[8]["rollout_corr/rollout_is_max"] <= 2.0  # verl's truncation at its preset's threshold
+    assert summary["config"]["rollout_correction"] == "decoupled_seq_is"
+
+
+def test_a_rollout_correction_a_verl_run_would_ignore_is_refused() -> None:
+    with pytest.raises(StabilityConfigError, match=r"bypass_pg_is.* sets rollout_is in bypass mode"):
+        resolve("ci", {"rollout_correction": "bypass_pg_is"})
+    with pytest.raises(StabilityConfigError, match="unknown rollout correction"):
+        resolve("ci", {"rollout_correction": "seq_is"})
+
+
 def test_reward_is_exact_answer_then_eos() -> None:
     task = build_task()
     vocab = {str(d): int(task.digit_ids[d]) for d in range(10)}

@@ -10,7 +10,8 @@ but independence of the seeds, so the two together say how firm a difference is.
 ``gepo-lab paired SUMMARY.json [SUMMARY.json ...] --a gepo --b gspo`` reads one or more
 ``stability_summary.json`` files (runs of different seeds may be split over several) and prints a markdown table.
 A run made with the staleness guard on is named ``METHOD+guard`` (``--a gepo+guard --b gepo`` pairs a guarded
-run with the unguarded one of the same method, seed and max lag).
+run with the unguarded one of the same method, seed and max lag), one corrected with verl's rollout correction
+``METHOD+PRESET`` (``gepo+decoupled_seq_is``).
 """
 
 from __future__ import annotations
@@ -105,9 +106,11 @@ GUARD_SUFFIX = "+guard"
 
 
 def run_name(method: str, config: dict[str, Any]) -> str:
-    """The name a run is paired under: its method, marked when its summary's config had the staleness guard on."""
+    """The name a run is paired under: its method, marked when its summary's config had the staleness guard on
+    (``+guard``) and with verl's rollout-correction preset it was corrected with (``+decoupled_seq_is``)."""
     guarded = bool(config.get("guard", {}).get("enable", False))
-    return method + GUARD_SUFFIX if guarded else method
+    correction = config.get("rollout_correction")
+    return method + (GUARD_SUFFIX if guarded else "") + (f"+{correction}" if correction else "")
 
 
 def load_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:

@@ -276,6 +276,8 @@ def run_stability(out_dir: Path, config: StabilityConfig, preset: str = "", prog
         specs = {m: MethodSpec.from_preset(m) for m in config.methods}
         if config.clip is not None:
             specs = {m: s.with_clip(config.clip) for m, s in specs.items()}
+        if config.rollout_correction is not None:
+            specs = {m: s.with_correction(config.rollout_correction) for m, s in specs.items()}
         run_fn = simulate_run
         n_runs = len(config.seeds) * len(config.methods) * len(config.lags)
         bar = tqdm(total=n_runs * config.rl_steps, disable=not progress, desc="stability", unit="step")

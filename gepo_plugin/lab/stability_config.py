@@ -21,6 +21,7 @@ from gepo_plugin.hetero.staleness import (
     StalenessPolicy,
 )
 from gepo_plugin.options import STRICT_BLOCK, OptionsError, parse_options
+from gepo_plugin.verl_glue.rollout_correction import lab_preset
 
 #: Methods the stability lab compares: each a preset of :data:`gepo_plugin.verl_glue.presets.PRESETS`, with the
 #: policy-loss options (``actor_rollout_ref.actor.policy_loss.<key>``) that make a variant of it.
@@ -86,6 +87,13 @@ class StabilityConfig(BaseModel):
     )
     temperature: float = _positive("sampling temperature", 1.0)
     grad_clip: float = _positive("gradient-norm clip", 1.0)
+    rollout_correction: str | None = Field(
+        None,
+        description="verl's rollout correction for every method: a preset of verl's RolloutCorrectionConfig "
+        "(decoupled_seq_is, decoupled_token_is, decoupled_seq_is_rs, ...), applied with verl's own function as verl's "
+        "decoupled mode does (the old policy is the learner's before the update; the sampler's log-probs enter the "
+        "truncated weights and the rejection). Runs are paired as METHOD+PRESET. None: the presets' bypass mode",
+    )
     clip: float | None = Field(
         None, gt=0, lt=1, description="ratio clip eps for every method, both sides (None: the presets' 0.2/0.2)"
     )
@@ -140,6 +148,8 @@ class StabilityConfig(BaseModel):
             )
         if not self.delay_low < self.delay_high:
             raise ValueError(f"delay_low ({self.delay_low}) must be below delay_high ({self.delay_high})")
+        if self.rollout_correction is not None:
+            lab_preset(self.rollout_correction)  # verl's name, and not one a verl run would ignore
         if not self.live and (self.time_scale is not None or self.ray_cpus is not None):
             raise ValueError("time_scale and ray_cpus only apply with live=true (--live)")
         for lag in self.lags:

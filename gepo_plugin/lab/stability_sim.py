@@ -73,7 +73,10 @@ from gepo_plugin.maths.options import PolicyLossOptions
 from gepo_plugin.verl_glue.m2po_mini_batch import cap_fields, mini_batch_budget
 from gepo_plugin.verl_glue.presets import PRESETS
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, provide_response_terms
+from gepo_plugin.verl_glue.rollout_correction import correct, lab_preset
 
+#: verl's rollout-correction metrics (``rollout_corr/*``), which a corrected run's updates report
+CORRECTION_PREFIX = "rollout_corr/"
 #: Which importance weight each method's loss actually uses (for the weight-variance diagnostic).
 OWN_WEIGHT = {
     "gepo": "gepo",
@@ -118,6 +121,8 @@ class MethodSpec:
     needs_response_terms: bool
     #: policy-loss options of a variant (``actor_rollout_ref.actor.policy_loss.<key>=<value>``)
     loss_options: tuple[tuple[str, Any], ...] = ()
+    #: verl's rollout-correction preset the batches are corrected with (None: the preset's bypass mode)
+    rollout_correction: str | None = None
 
     @classmethod
     def from_preset(cls, name: str) -> MethodSpec:
@@ -148,6 +153,11 @@ class MethodSpec:
     def with_clip(self, clip: float) -> MethodSpec:
         """The same method with the ratio clip ``1 - clip .. 1 + clip`` (the lab's ``--clip``)."""
         return dataclasses.replace(self, clip_low=clip, clip_high=clip)
+
+    def with_correction(self, preset: str) -> MethodSpec:
+        """The same method with verl's rollout correction ``preset`` (the lab's ``--rollout-correction``)."""
+        lab_preset(preset)  # refuses a preset a verl run would ignore
+        return dataclasses.replace(self, rollout_correction=preset)
 
 
 @dataclass(frozen=True)
@@ -263,6 +273,16 @@ def policy_update(
 
     model.train()
     log_prob = token_log_probs(model, task.prompts[problems], tokens, temperature) * fmask
+    sampler_log_prob, sampler_mask = old_log_prob, mask  # what the diagnostics below compare the learner with
+    rollout_is_weights, correction = None, {}
+    if spec.rollout_correction is not None:
+        # verl's decoupled mode: the old policy is the learner's before this update (pi_old); the sampler's
+        # log-probs enter only verl's truncated weights and rejection, computed by verl's own function
+        old_log_prob = log_prob.detach()
+        preset = lab_preset(spec.rollout_correction)
+        rollout_is_weights, mask, correction = correct(old_log_prob, sampler_log_prob, sampler_mask, preset)
+        mask = mask.to(sampler_mask.dtype)
+        advantages = seq_adv.unsqueeze(1) * mask.to(torch.float32)
     config = actor_config_for(spec)
     loss_fn = get_policy_loss_fn(spec.loss_mode)
     kwargs: dict[str, Any] = dict(
@@ -272,7 +292,7 @@ def policy_update(
         response_mask=mask,
         loss_agg_mode=spec.loss_agg_mode,
         config=config,
-        rollout_is_weights=None,
+        rollout_is_weights=rollout_is_weights,
     )
     log_e = group_log_expectation_from_tokens(old_log_prob, mask, group_ids)
     # what the plugin's trainer and engine hand a verl loss beside verl's fields (the lab's batch is one mini-batch)
@@ -288,16 +308,17 @@ def policy_update(
     optimizer.step()
     model.eval()
 
-    with torch.no_grad():
-        logp = log_prob.detach()
-        seq_p, seq_q = sequence_log_prob(logp, fmask), sequence_log_prob(old_log_prob, fmask)
-        log_weights = {"gepo": seq_p - log_e, "seq_is": seq_p - seq_q, "token_is": (logp - old_log_prob)[mask]}
+    with torch.no_grad():  # the weights against the sampler (q), whatever the loss's old policy was
+        logp, q = log_prob.detach(), sampler_log_prob
+        log_e = group_log_expectation_from_tokens(q, sampler_mask, group_ids)
+        seq_p, seq_q = sequence_log_prob(logp, fmask), sequence_log_prob(q, fmask)
+        log_weights = {"gepo": seq_p - log_e, "seq_is": seq_p - seq_q, "token_is": (logp - q)[sampler_mask]}
         rule = spec.gepo_plus_rule()
         if rule is not None:  # the weight GEPO+ used: its denominator from each sequence's mean k3 KL
-            seq_kl = (k3_kl(logp, old_log_prob) * fmask).sum(-1) / fmask.sum(-1).clamp(min=1)
+            seq_kl = (k3_kl(logp, q) * fmask).sum(-1) / fmask.sum(-1).clamp(min=1)
             log_weights["gepo_plus"] = seq_p - rule.log_denominator(log_e, seq_q, seq_kl)[0]
         weights = {name: torch.exp(values) for name, values in log_weights.items()}
-        kl = k3_kl(logp, old_log_prob)[mask].mean()
+        kl = k3_kl(logp, q)[sampler_mask].mean()
     return {
         "loss": float(loss.detach()),
         "grad_norm": float(grad_norm),
@@ -308,6 +329,7 @@ def policy_update(
         "ess": ess_fraction(log_weights["seq_is"]),  # p_i / q_i: 1 on-policy, as the verl losses report it
         "kl": float(kl),
         "clipfrac": float(loss_metrics.get("actor/pg_clipfrac", float("nan"))),
+        **correction,
     }
 
 
@@ -363,6 +385,9 @@ class RunRecord:
             "sim_seconds": self.sim_seconds,
             "rollout_batches": self.rollout_batches,
         }
+        correction = sorted(key for key in (self.steps[0] if self.steps else {}) if key.startswith(CORRECTION_PREFIX))
+        if correction:  # verl's rollout_corr/* metrics, averaged over the updates
+            out["rollout_correction"] = {key: _mean_of(self.steps, key) for key in correction}
         if self.live:
             out["live"] = dict(self.live)
         return out

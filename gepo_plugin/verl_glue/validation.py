@@ -64,6 +64,7 @@ from gepo_plugin.options import did_you_mean, parse_options
 from gepo_plugin.verl_glue.errors import PluginConfigError
 from gepo_plugin.verl_glue.m2po_mini_batch import check_switch
 from gepo_plugin.verl_glue.rollout_checks import check_rollout
+from gepo_plugin.verl_glue.rollout_correction import check_rollout_correction
 
 __all__ = ["PluginConfigError", "validate_plugin_config"]
 
@@ -335,6 +336,7 @@ def validate_plugin_config(config: DictConfig, hetero: HeteroSettings, explicit:
             f"false means the sampler returns none: set {CALCULATE_LOG_PROBS}=true (GEPO needs them), or "
             f"{BYPASS_MODE}=false"
         )
+    check_rollout_correction(config)
     if _select(config, LOSS_MODE, "vanilla") in GEPO_LOSSES:
         _check_gepo(config, options[POLICY_LOSS], warnings)
     if _select(config, LOSS_MODE) == M2PO_LOSS:
