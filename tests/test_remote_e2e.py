@@ -14,7 +14,8 @@ use), verifies manifests with the learner's Ed25519 public key, and dials the le
 * **faults**: the remote host SIGKILLed mid-run (retired as died, its requests counted, the run goes on with the
   in-cluster group), started again (it rejoins from the newest keyframe without a learner restart and its rollouts
   are trained again); then its network cut (a TCP proxy between host and gateway) for longer than the gateway's
-  timeout and restored: retired, and back.
+  timeout and restored: retired, and back (the ``extended`` tier: a remote sampler retired and rejoining runs in CI
+  at the gateway, with real proxies, in ``tests/test_remote_gateway.py``).
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def test_gepo_with_a_remote_sampler_beside_an_in_cluster_one_on_policy(tiny, tmp
     assert ("'strategy': 'megatron'" in log.read_text()) == (learner == "megatron")  # the learner asked for ran
 
 
+@pytest.mark.extended  # its parts run in CI: retirement and rejoining at the gateway (tests/test_remote_gateway.py)
 def test_a_remote_sampler_killed_restarted_and_cut_off_is_retired_and_rejoins(tiny, tmp_path, keys):
     token, public = keys
     # steps: a budget the learner never reaches (the test stops it): at ~1 s a step with the in-cluster group alone,
