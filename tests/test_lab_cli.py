@@ -122,7 +122,7 @@ def test_every_option_reaches_the_config_it_names() -> None:
         *("--delay-confidence", "0.9", "--strategy", "drop", "--admission-margin", "0"),
         *("--live", "--time-scale", "0.01", "--ray-cpus", "3"),
         *("--guard-enable", "--guard-min-ess", "0.4", "--guard-relax-ess", "0.9", "--guard-patience", "3"),
-        *("--guard-floor", "0"),
+        *("--guard-floor", "0", "--rollout-correction", "decoupled_seq_is"),
     ]
     config = config_from_args(parser.parse_args(argv)).model_dump()
     expected = {
@@ -132,7 +132,7 @@ def test_every_option_reaches_the_config_it_names() -> None:
         **dict(lr_warmup_steps=3, group_size=4, prompts_per_step=12, groups_per_batch=3, buffer_groups=20),
         **dict(temperature=0.9, grad_clip=0.5, clip=0.3, eval_every=2, eval_samples=0, sampler_seconds=[1.0, 3.0]),
         **dict(learner_seconds=0.25, delay_low=1.0, delay_high=9.0, delay_confidence=0.9, strategy="drop"),
-        **dict(admission_margin=0, live=True, time_scale=0.01, ray_cpus=3),
+        **dict(admission_margin=0, live=True, time_scale=0.01, ray_cpus=3, rollout_correction="decoupled_seq_is"),
         "guard": dict(enable=True, min_ess=0.4, relax_ess=0.9, patience=3, floor=0),
     }
     assert config == expected  # every field set above, none left out (the dict has all of them)
