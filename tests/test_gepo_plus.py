@@ -12,7 +12,7 @@ from conftest import make_batch
 
 from gepo_plugin.maths import group_log_expectation_from_tokens
 from gepo_plugin.maths.gepo_plus import GEPOPlusRule
-from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config
+from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config, loss_over_micro_batches
 from gepo_plugin.verl_glue.losses import step_metrics
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
 
@@ -52,26 +52,9 @@ def gepo_plus_reference(log_prob, old_log_prob, advantages, mask, group_ids, thr
 
 def run_verl_micro_batches(config, b, micro_batches):
     """The loss summed over micro-batches, each through verl's ppo_loss as the engine calls it, and its gradient."""
-    logp = b.log_prob.clone().requires_grad_()
     log_eq = group_log_expectation_from_tokens(b.old_log_prob, b.mask, b.group_ids)  # trainer side: whole groups
-    losses, metrics = [], []
-    for rows in micro_batches:
-        rows = torch.as_tensor(rows)
-        model_output, data = build_loss_inputs(
-            logp[rows],
-            b.old_log_prob[rows],
-            b.advantages[rows],
-            b.mask[rows],
-            {LOG_GROUP_EXPECTATION: log_eq[rows]},
-            batch_num_tokens=int(b.mask.sum()),
-            global_batch_size=len(b.group_ids),
-        )
-        loss, m = ppo_loss_with_response_terms(config, model_output=model_output, data=data)
-        losses.append(loss)
-        metrics.append(m)
-    total = torch.stack(losses).sum()
-    (grad,) = torch.autograd.grad(total, logp)
-    return total, grad, metrics
+    fields = {LOG_GROUP_EXPECTATION: log_eq}
+    return loss_over_micro_batches(config, b.log_prob, b.old_log_prob, b.advantages, b.mask, micro_batches, fields)
 
 
 def median_kl_threshold(b) -> float:

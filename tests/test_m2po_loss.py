@@ -9,10 +9,9 @@ from conftest import make_batch
 from test_m2po_maths import their_loss
 
 from gepo_plugin.maths.m2po import m2_cap
-from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config
+from gepo_plugin.verl_glue.loss_batch import compose_actor_config, loss_over_micro_batches
 from gepo_plugin.verl_glue.m2po_loss import MiniBatchCapMissingError
 from gepo_plugin.verl_glue.m2po_mini_batch import cap_fields
-from gepo_plugin.verl_glue.response_terms import ppo_loss_with_response_terms
 
 BASE = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=2", "policy_loss.loss_mode=m2po", "loss_agg_mode=token-mean"]
 #: every micro-batch mixes prompts, of unequal sizes
@@ -26,27 +25,8 @@ def actor_config(*extra):
 
 def run_micro_batches(config, b, micro_batches, fields=None):
     """Total loss and gradient over micro-batches, each through verl's ppo_loss as the engine calls it."""
-    logp = b.log_prob.clone().requires_grad_()
-    total_tokens = int(b.mask.sum())
-    losses, metrics = [], []
-    for rows in micro_batches:
-        rows = torch.as_tensor(rows)
-        extra = {name: value[rows] for name, value in (fields or {}).items()}
-        model_output, data = build_loss_inputs(
-            logp[rows],
-            b.old_log_prob[rows],
-            b.advantages[rows] * b.mask[rows],
-            b.mask[rows],
-            extra,
-            batch_num_tokens=total_tokens,
-            global_batch_size=len(b.group_ids),
-        )
-        loss, m = ppo_loss_with_response_terms(config, model_output=model_output, data=data)
-        losses.append(loss)
-        metrics.append(m)
-    total = torch.stack(losses).sum()
-    (grad,) = torch.autograd.grad(total, logp)
-    return total, grad, metrics
+    advantages = b.advantages * b.mask
+    return loss_over_micro_batches(config, b.log_prob, b.old_log_prob, advantages, b.mask, micro_batches, fields)
 
 
 def whole_batch_fields(b, budget=0.04):

@@ -7,9 +7,9 @@ import torch
 from conftest import make_batch
 
 from gepo_plugin.maths import group_log_expectation_from_tokens
-from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config
+from gepo_plugin.verl_glue.loss_batch import build_loss_inputs, compose_actor_config, loss_over_micro_batches
 from gepo_plugin.verl_glue.losses import step_metrics
-from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, ppo_loss_with_response_terms
+from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION
 
 BASE = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=2", "clip_ratio_low=0.2", "clip_ratio_high=0.2"]
 
@@ -20,29 +20,10 @@ def actor_config(*extra):
 
 def run_micro_batches(config, b, micro_batches, with_term=True):
     """Sum of gradients and losses over micro-batches, each through verl's ppo_loss as the engine calls it."""
-    logp = b.log_prob.clone().requires_grad_()
     # trainer side: whole groups; rows without a response token (verl's padding) get no term
     log_eq = group_log_expectation_from_tokens(b.old_log_prob, b.mask, b.group_ids, valid=b.mask.sum(-1) > 0)
-    total_tokens = int(b.mask.sum())
-    losses, metrics = [], []
-    for rows in micro_batches:
-        rows = torch.as_tensor(rows)
-        extra = {LOG_GROUP_EXPECTATION: log_eq[rows]} if with_term else {}
-        model_output, data = build_loss_inputs(
-            logp[rows],
-            b.old_log_prob[rows],
-            b.advantages[rows],
-            b.mask[rows],
-            extra,
-            batch_num_tokens=total_tokens,
-            global_batch_size=len(b.group_ids),
-        )
-        loss, m = ppo_loss_with_response_terms(config, model_output=model_output, data=data)
-        losses.append(loss)
-        metrics.append(m)
-    total = torch.stack(losses).sum()
-    (grad,) = torch.autograd.grad(total, logp)
-    return total, grad, metrics
+    fields = {LOG_GROUP_EXPECTATION: log_eq} if with_term else {}
+    return loss_over_micro_batches(config, b.log_prob, b.old_log_prob, b.advantages, b.mask, micro_batches, fields)
 
 
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"])

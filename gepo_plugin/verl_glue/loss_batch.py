@@ -17,6 +17,8 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 
+from gepo_plugin.verl_glue.response_terms import ppo_loss_with_response_terms
+
 
 def compose_actor_config(overrides: list[str] | None = None):
     """verl's ``ActorConfig`` dataclass, composed from the plugin's Hydra config with ``overrides``.
@@ -69,3 +71,36 @@ def build_loss_inputs(
     data = TensorDict(fields, batch_size=[batch])
     tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
     return {"log_probs": flat_log_probs}, data
+
+
+def loss_over_micro_batches(
+    config,
+    log_prob: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    micro_batches,
+    fields: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
+    """The loss summed over ``micro_batches`` (row indices), each through the plugin's loss wrapper around verl's
+    ``ppo_loss`` as verl's engine calls it (the mini-batch's token and row totals in ``global_batch_info``), its
+    gradient with respect to ``log_prob``, and each micro-batch's metrics. ``fields``: per-row terms, split with it."""
+    logp = log_prob.clone().requires_grad_()
+    losses, metrics = [], []
+    for rows in micro_batches:
+        rows = torch.as_tensor(rows)
+        model_output, data = build_loss_inputs(
+            logp[rows],
+            old_log_probs[rows],
+            advantages[rows],
+            response_mask[rows],
+            {name: value[rows] for name, value in (fields or {}).items()},
+            batch_num_tokens=int(response_mask.sum()),
+            global_batch_size=response_mask.shape[0],
+        )
+        loss, m = ppo_loss_with_response_terms(config, model_output=model_output, data=data)
+        losses.append(loss)
+        metrics.append(m)
+    total = torch.stack(losses).sum()
+    (grad,) = torch.autograd.grad(total, logp)
+    return total, grad, metrics
