@@ -107,6 +107,7 @@ METRICS: tuple[Metric, ...] = (
     Metric(M2PO_LOSS + "m2_after", "M2PO: the same once capped at tau (within policy_loss.m2_budget)"),
     Metric(M2PO_LOSS + "cap_binds", "M2PO: 1 where the budget was exceeded and the bounds exp(+-tau) clipped"),
     Metric(M2PO_LOSS + "harmful_tokens", "M2PO: harmful tokens (advantage and ratio on the same side of 0 and 1)"),
+    Metric(M2PO_LOSS + "masked_frac", "GEPO with policy_loss.m2_mask: share of response tokens M2PO's mask zeroed"),
     Metric(_IW + "mean", "HeteroRL: mean GEPO weight of the sequences in this lag bucket"),
     Metric(_IW + "var", "variance of that weight in the bucket"),
     Metric(_IW + "ess", "ESS/N of that weight in the bucket"),

@@ -117,8 +117,12 @@ def test_m2po_over_mini_batches_gets_the_trainer_and_the_switch_it_needs():
         )
         is None
     )
-    # GEPO runs get no switch
+    # GEPO runs get no switch, unless they read M2PO's cap over mini-batches (M2PO's mask on GEPO's weights)
     assert OmegaConf.select(composed("algorithm.loss=gepo"), M2PO_SWITCH) is None
+    masked = composed("algorithm.loss=gepo", "actor_rollout_ref.actor.policy_loss.m2_mask=true")
+    assert OmegaConf.select(masked, M2PO_SWITCH) == "1"
+    budget = "actor_rollout_ref.actor.policy_loss.m2_budget=0.1"
+    assert composed("algorithm.loss=gepo_plus", "actor_rollout_ref.actor.policy_loss.m2_mask=true", budget)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +132,9 @@ def test_m2po_over_mini_batches_gets_the_trainer_and_the_switch_it_needs():
         (["algorithm.loss=m2po", f"+{M2PO_SWITCH}='0'"], "GEPO_M2PO_MINI_BATCH='0'"),
         (["algorithm.loss=m2po", "actor_rollout_ref.actor.policy_loss.m2_budget=-1"], "m2_budget"),
         (["algorithm.loss=m2po", "actor_rollout_ref.actor.policy_loss.m2_scope=step"], "m2_scope"),
-        (["algorithm.loss=gepo", "actor_rollout_ref.actor.policy_loss.m2_budget=0.1"], "loss_mode=m2po"),
+        (["algorithm.loss=gepo", "actor_rollout_ref.actor.policy_loss.m2_budget=0.1"], "m2_mask=false"),
+        (["algorithm.loss=m2po", "actor_rollout_ref.actor.policy_loss.m2_mask=true"], "loss_mode=gepo"),
+        (["algorithm.loss=gepo", "actor_rollout_ref.actor.policy_loss.m2_mask=yes"], "m2_mask"),
         (["algorithm.loss=m2po", "actor_rollout_ref.actor.policy_loss.group_scope=batch"], "loss_mode=gepo"),
     ],
 )

@@ -99,3 +99,31 @@ def test_several_first_methods_compare_each_against_every_other(tmp_path: Path, 
     assert cli.main(["paired", str(base), "--a", "gepo", "gspo", "--b", "gspo", "grpo"]) == 0
     rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines()[2:]]
     assert rows == ["gepo − gspo", "gepo − grpo", "gspo − grpo"]  # a method is not compared with itself
+
+
+def test_per_method_intervals_are_each_methods_own_t_interval_and_the_staleness_plot_is_drawn(tmp_path: Path) -> None:
+    """--intervals: every (method, max lag) with its mean and scipy's t interval over its seeds, for each metric;
+    --staleness-png: one picture of the metric against max lag."""
+    pytest.importorskip("matplotlib")
+    from matplotlib import image
+
+    from gepo_plugin.lab import cli
+
+    rng = np.random.default_rng(1)
+    values = {(m, lag): rng.uniform(0.2, 0.6, size=5) for m in ("gepo", "m2po") for lag in (0, 64, 256)}
+    runs = [(m, lag, s, float(v[s])) for (m, lag), v in values.items() for s in range(5)]
+    summary = _summary(tmp_path / "runs.json", runs)
+    table, png = tmp_path / "intervals.md", tmp_path / "staleness.png"
+    argv = ["paired", str(summary), "--a", "m2po", "--b", "gepo", "--intervals", str(table)]
+    argv += ["--staleness-png", str(png)]
+    assert cli.main(argv) == 0
+    rows = [line.split("|")[1:-1] for line in table.read_text().splitlines()[2:]]
+    assert [(r[0].strip(), int(r[1])) for r in rows] == [(m, lag) for m in ("gepo", "m2po") for lag in (0, 64, 256)]
+    for row in rows:
+        v = values[row[0].strip(), int(row[1])]
+        low, high = stats.t.interval(0.95, df=4, loc=v.mean(), scale=stats.sem(v))
+        assert row[4].strip() == f"{v.mean():.3f} [{low:.3f}, {high:.3f}]"  # last eval
+        best_low, best_high = low + 0.1, high + 0.1  # the summary's best eval is last + 0.1
+        assert row[3].strip() == f"{v.mean() + 0.1:.3f} [{best_low:.3f}, {best_high:.3f}]"
+    height, width, _ = image.imread(png).shape
+    assert width > 400 and height > 200

@@ -3,8 +3,9 @@
 # learning rate, the group size, the clip range, the delay distribution or the training length?
 #
 # Each variant changes ONE setting of the `paper` preset's defaults (lr 1e-3, G 8, clip 0.2, delays
-# log-normal on [4, 256] simulated s, 200 updates) and runs gepo, gspo and grpo at max lag 64 over
-# SEEDS seeds. Outputs: $OUT/<variant>/ (the usual stability files) and $OUT/sensitivity.md (one table).
+# log-normal on [4, 256] simulated s, 200 updates) and runs METHODS (gepo, gspo and grpo) at LAGS (max lag 64)
+# over SEEDS seeds; COMMON adds options to every variant (the stale-setting search, examples/lab/stale_search.sh,
+# moves the base this way). Outputs: $OUT/<variant>/ (the usual stability files) and $OUT/sensitivity.md.
 #
 # Run in this repository's CI in its quick form (two variants, one method and seed, 4 updates: tests/test_examples.py).
 # Resources: CPU only, one torch thread per process; JOBS variants run at once (default 2).
@@ -21,17 +22,21 @@ SEEDS="${SEEDS:-0 1 2}"
 JOBS="${JOBS:-2}"
 METHODS="${METHODS:-gepo gspo grpo}"
 STEPS="${STEPS:-200}"
+LAGS="${LAGS:-64}"
+COMMON="${COMMON:-}"
 
 declare -A VARIANTS=(
   [base]=""
   [lr_3e-3]="--lr 3e-3"
   [lr_3e-4]="--lr 3e-4"
+  [lr_2e-3]="--lr 2e-3"
   [group_4]="--group-size 4"
   [group_16]="--group-size 16"
   [clip_0.1]="--clip 0.1"
   [clip_0.4]="--clip 0.4"
   [long_delays]="--delay-low 32 --delay-high 2048"
   [steps_400]="--rl-steps 400"
+  [hard_task]="--max-a 100"
 )
 ORDER=(base lr_3e-3 lr_3e-4 group_4 group_16 clip_0.1 clip_0.4 long_delays steps_400)
 if [ "$#" -gt 0 ]; then
@@ -45,9 +50,9 @@ for name in "${ORDER[@]}"; do
 done
 
 build_command() {  # sets cmd: the lab command of variant $1
-  # shellcheck disable=SC2206  # METHODS, SEEDS and the variant's options are meant to split into words
-  cmd=("$python_bin" -m gepo_plugin.lab stability --preset paper --methods $METHODS --lags 64 --seeds $SEEDS
-    --rl-steps "$STEPS" --no-progress ${VARIANTS[$1]} --out "$OUT/$1")
+  # shellcheck disable=SC2206  # METHODS, LAGS, SEEDS, COMMON and the variant's options split into words
+  cmd=("$python_bin" -m gepo_plugin.lab stability --preset paper --methods $METHODS --lags $LAGS --seeds $SEEDS
+    --rl-steps "$STEPS" --no-progress $COMMON ${VARIANTS[$1]} --out "$OUT/$1")
 }
 if [ "${PRINT_ONLY:-0}" = "1" ]; then
   for name in "${ORDER[@]}"; do
@@ -88,19 +93,20 @@ from pathlib import Path
 
 out, names = Path(sys.argv[1]), sys.argv[2:]
 lines = [
-    "| variant | method | best eval | last eval | best - last | IW var (own weight) | KL(learner, sampler) | lag mean |",
-    "|---|---|---|---|---|---|---|---|",
+    "| variant | method | max lag | best eval | last eval | best - last | IW var (own weight) | KL(learner, sampler) "
+    "| lag mean |",
+    "|---|---|---|---|---|---|---|---|---|",
 ]
 for name in names:
     path = out / name / "stability_summary.json"
     if not path.exists():
-        lines.append(f"| {name} | (no result) | | | | | | |")
+        lines.append(f"| {name} | (no result) | | | | | | | |")
         continue
     for row in json.loads(path.read_text())["aggregate"]:
         def pm(key, row=row):
             return f"{row[key + '_mean']:.3f} ± {row[key + '_std']:.3f}"
         lines.append(
-            f"| {name} | {row['method']} | {pm('best_eval')} | {pm('last_eval')} | {pm('best_to_last_gap')} "
+            f"| {name} | {row['method']} | {row['max_lag']} | {pm('best_eval')} | {pm('last_eval')} | {pm('best_to_last_gap')} "
             f"| {row['iw_var_mean_mean']:.3g} | {row['kl_mean_mean']:.3g} | {row['lag_mean']:.1f} |"
         )
 (out / "sensitivity.md").write_text("\n".join(lines) + "\n")

@@ -102,6 +102,45 @@ def compare(runs: Sequence[dict[str, Any]], a: str, b: str, metric: str = "last_
     return results
 
 
+@dataclass(frozen=True)
+class MethodInterval:
+    """One method's ``metric`` at one max lag over its seeds: the mean with its 95% Student-t interval."""
+
+    method: str
+    max_lag: int
+    metric: str
+    seeds: int
+    mean: float
+    ci_low: float
+    ci_high: float
+
+
+def method_intervals(runs: Sequence[dict[str, Any]], metric: str) -> list[MethodInterval]:
+    """Every (method, max lag) of ``runs``: ``metric``'s mean and interval over its seeds (methods in first-seen
+    order, lags ascending)."""
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    out = []
+    for method in methods:
+        for lag in sorted({r["max_lag"] for r in runs if r["method"] == method}):
+            values = np.array([r[metric] for r in runs if r["method"] == method and r["max_lag"] == lag], dtype=float)
+            mean, low, high = t_interval(values)
+            out.append(MethodInterval(method, lag, metric, int(values.size), mean, low, high))
+    return out
+
+
+def intervals_markdown(runs: Sequence[dict[str, Any]]) -> str:
+    """One row per (method, max lag): best eval, last eval and best − last, each mean [95% CI] over the seeds."""
+    columns = {metric: method_intervals(runs, metric) for metric in METRICS}
+    lines = [
+        "| method | max lag | seeds | best eval [95% CI] | last eval [95% CI] | best − last [95% CI] |",
+        "|---|---|---|---|---|---|",
+    ]
+    for best, last, gap in zip(columns["best_eval"], columns["last_eval"], columns["best_to_last_gap"], strict=True):
+        cells = [f"{c.mean:.3f} [{c.ci_low:.3f}, {c.ci_high:.3f}]" for c in (best, last, gap)]
+        lines.append(f"| {best.method} | {best.max_lag} | {best.seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 GUARD_SUFFIX = "+guard"
 
 

@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from gepo_plugin.lab.paired import METRICS, compare, load_runs, markdown
-from gepo_plugin.lab.paired_plot import draw_forest
+from gepo_plugin.lab.paired import METRICS, compare, intervals_markdown, load_runs, markdown, method_intervals
+from gepo_plugin.lab.paired_plot import draw_forest, draw_staleness
 from gepo_plugin.lab.plots import plots_available
 
 
@@ -25,6 +25,17 @@ def add_paired_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "--png", type=Path, help="also draw every comparison here: per-seed differences, mean, 95%% interval"
     )
+    parser.add_argument(
+        "--intervals",
+        type=Path,
+        help="also write every method's best eval, last eval and best − last per max lag here (markdown: mean and "
+        "95%% interval over its seeds)",
+    )
+    parser.add_argument(
+        "--staleness-png",
+        type=Path,
+        help="also draw --metric against max lag here, one line per method in the summaries with its 95%% interval",
+    )
     return parser
 
 
@@ -41,4 +52,8 @@ def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.json.write_text(json.dumps([r.as_dict() for r in results], indent=2) + "\n")
     if args.png and plots_available():
         draw_forest(results, args.png)
+    if args.intervals:
+        args.intervals.write_text(intervals_markdown(runs))
+    if args.staleness_png and plots_available():
+        draw_staleness(method_intervals(runs, args.metric), args.staleness_png)
     return 0

@@ -207,10 +207,20 @@ def _plot(out_dir: Path, records: list[Any], methods: list[str], lags: list[int]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after choosing the Agg backend
 
-    palette = ("tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple", "tab:brown", "tab:cyan", "tab:olive")
+    palette = (
+        "tab:blue",
+        "tab:orange",
+        "tab:red",
+        "tab:green",
+        "tab:purple",
+        "tab:brown",
+        "tab:cyan",
+        "tab:olive",
+        "tab:pink",
+    )
     colours = dict(zip(METHODS, palette, strict=True))
     # distinct dashes: on-policy GSPO and GRPO are gradient-identical, so their curves coincide exactly
-    dashes = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (3, 1)), (0, (1, 2)), (0, (3, 1, 1, 1, 1, 1)))
+    dashes = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (3, 1)), (0, (1, 2)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 1)))
     styles = dict(zip(METHODS, dashes, strict=True))
     fig, axes = plt.subplots(1, len(lags), figsize=(4.6 * len(lags), 3.8), squeeze=False, sharey=True)
     for ax, lag in zip(axes[0], lags, strict=True):

@@ -34,9 +34,10 @@ METHOD_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gepo_plus": ("gepo_plus", {"gepo_plus_mode": "hard"}),
     "gepo_plus_soft": ("gepo_plus", {"gepo_plus_mode": "soft"}),
     "m2po": ("m2po", {}),
+    "gepo_m2": ("gepo", {"m2_mask": True}),
 }
 METHODS: tuple[str, ...] = tuple(METHOD_PRESETS)
-Method = Literal["gepo", "gspo", "grpo", "dr_grpo", "bnpo", "gepo_plus", "gepo_plus_soft", "m2po"]
+Method = Literal["gepo", "gspo", "grpo", "dr_grpo", "bnpo", "gepo_plus", "gepo_plus_soft", "m2po", "gepo_m2"]
 
 
 class StabilityConfigError(OptionsError):

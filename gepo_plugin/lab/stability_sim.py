@@ -87,6 +87,7 @@ OWN_WEIGHT = {
     "gepo_plus": "gepo_plus",
     "gepo_plus_soft": "gepo_plus",
     "m2po": "token_is",
+    "gepo_m2": "gepo",
 }
 
 __all__ = [

@@ -108,3 +108,12 @@ def m2po_token_losses(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, *bounds)
     return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def m2_masked_tokens(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, cap: M2Cap
+) -> torch.Tensor:
+    """The tokens M2PO's clip takes the gradient from under ``cap`` (harmful, with the ratio beyond its bound): the
+    mask another loss applies to become "M2PO-masked" (GEPO's ``m2_mask``). No gradient flows through it."""
+    with torch.no_grad():
+        return m2po_token_losses(log_prob.detach(), old_log_prob, advantages, cap.ratio_bounds())[1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, StrictBool, model_validator
 
 from gepo_plugin import config_keys
 from gepo_plugin.options import STRICT_BLOCK, parse_options
@@ -69,17 +69,24 @@ class PolicyLossOptions(BaseModel):
         0.04,
         ge=0,
         allow_inf_nan=False,
-        description="loss_mode=m2po only: the bound on the mean squared log-ratio of the harmful tokens (positive "
-        "advantage with p > q, negative with p < q); above it the clip bounds become exp(-tau) and exp(tau) with the "
-        "cap tau that brings it within (M2PO, arXiv 2510.01161; the authors' scripts: 0.04). 0 clips every harmful "
-        "token",
+        description="loss_mode=m2po (or gepo with m2_mask): the bound on the mean squared log-ratio of the harmful "
+        "tokens (positive advantage with p > q, negative with p < q); above it the clip bounds become exp(-tau) "
+        "and exp(tau) with the cap tau that brings it within (M2PO, arXiv 2510.01161; the authors' scripts: 0.04). "
+        "0 clips every harmful token",
+    )
+    m2_mask: StrictBool = Field(
+        False,
+        description="loss_mode=gepo or gepo_plus only: also apply M2PO's second-moment mask to GEPO's weights, so "
+        "the harmful tokens that M2PO's cap would clip (log-ratio to the sampler beyond tau in the harmful "
+        "direction, tau from m2_budget over m2_scope) get no gradient; the zeroed share is reported as "
+        "actor/m2po/masked_frac",
     )
     m2_scope: Literal["mini_batch", "micro_batch"] = Field(
         "mini_batch",
-        description="loss_mode=m2po only. mini_batch: the second moment runs over the whole mini-batch on every "
-        "data-parallel rank, measured by a forward pass before the update (one more forward per mini-batch), so "
-        "the result does not depend on how verl splits it; micro_batch: over the micro-batch the loss is handed, as "
-        "the authors' code does (to reproduce their numbers)",
+        description="loss_mode=m2po (or gepo with m2_mask). mini_batch: the second moment runs over the whole "
+        "mini-batch on every data-parallel rank, measured by a forward pass before the update (one more forward "
+        "per mini-batch), so the result does not depend on how verl splits it; micro_batch: over the micro-batch the "
+        "loss is handed, as the authors' code does (to reproduce their numbers)",
     )
 
 
@@ -121,8 +128,10 @@ class DeltaLOptions(BaseModel):
 
 #: The options only ``loss_mode=gepo_plus`` reads.
 GEPO_PLUS_FIELDS: tuple[str, ...] = ("gepo_plus_mode", "gepo_plus_kl_threshold")
-#: The options only ``loss_mode=m2po`` reads.
+#: M2PO's cap options: ``loss_mode=m2po`` reads them, and the GEPO losses with ``m2_mask=true``.
 M2PO_FIELDS: tuple[str, ...] = ("m2_budget", "m2_scope")
+#: The option that applies M2PO's mask to the GEPO losses.
+M2_MASK_FIELD = "m2_mask"
 
 POLICY_LOSS_DEFAULTS = PolicyLossOptions()
 BNPO_DEFAULTS = BNPOOptions()

@@ -28,6 +28,7 @@ class GEPOPolicyLossConfig(PolicyLossConfig):
     gepo_plus_kl_threshold: float = POLICY_LOSS_DEFAULTS.gepo_plus_kl_threshold
     m2_budget: float = POLICY_LOSS_DEFAULTS.m2_budget
     m2_scope: str = POLICY_LOSS_DEFAULTS.m2_scope
+    m2_mask: bool = POLICY_LOSS_DEFAULTS.m2_mask
 
     def __post_init__(self):
         policy_loss_options(self)

@@ -30,7 +30,9 @@ from gepo_plugin.hetero.lag_buckets import BY_LAG, IS_BY_LAG, weight_sums_by_lag
 from gepo_plugin.maths import GroupIndex, gepo_token_losses, group_log_expectation, sequence_log_prob
 from gepo_plugin.maths.gepo_metrics import STEP_STATISTICS, STEP_TOTALS, TOTALS, stats_from_totals
 from gepo_plugin.maths.gepo_plus import GEPOPlusRule
+from gepo_plugin.maths.m2po import m2_masked_tokens
 from gepo_plugin.maths.options import policy_loss_options
+from gepo_plugin.verl_glue.m2po_loss import cap_metrics, scoped_cap
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, RESPONSE_LAG, current_response_terms
 
 GROUP_TERM_MISSING = (
@@ -150,6 +152,13 @@ def _gepo_family_loss(
         plus=GEPOPlusRule(options.gepo_plus_mode, options.gepo_plus_kl_threshold) if plus else None,
     )
     token_losses = terms.token_losses
+    m2_metrics: dict[str, float] = {}
+    if options.m2_mask:  # M2PO's second-moment mask on GEPO's weights: no gradient where M2PO's clip would bind
+        cap = scoped_cap(options, log_prob, old_log_prob, advantages, response_mask)
+        masked = m2_masked_tokens(log_prob, old_log_prob, advantages, cap) & response_mask.to(torch.bool)
+        token_losses = token_losses * (~masked).to(token_losses.dtype)
+        tokens = max(int(response_mask.sum()), 1)
+        m2_metrics = {**cap_metrics(cap), f"{metric_names.M2PO_LOSS}masked_frac": float(masked.sum()) / tokens}
     if rollout_is_weights is not None:
         token_losses = token_losses * rollout_is_weights
     pg_loss = agg_loss(
@@ -165,6 +174,7 @@ def _gepo_family_loss(
         f"{metric_names.GEPO_LOSS}iw_max": 0.0 if empty else m["iw_max"],
         f"{metric_names.GEPO_LOSS}iw_min": math.exp(options.log_ratio_cap) if empty else m["iw_min"],
         f"{metric_names.GEPO_LOSS}log_iw_max": -sys.float_info.max if empty else m["log_iw_max"],
+        **m2_metrics,
     }
     for name in TOTALS:
         if plus or name != "own_sum":

@@ -16,7 +16,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
 from gepo_plugin import metric_names
 from gepo_plugin.maths.m2po import NO_CAP, M2Cap, m2_cap, m2po_token_losses
-from gepo_plugin.maths.options import policy_loss_options
+from gepo_plugin.maths.options import PolicyLossOptions, policy_loss_options
 from gepo_plugin.names import M2PO_LOSS
 from gepo_plugin.verl_glue.response_terms import M2PO_CAP_FIELDS, current_response_terms
 
@@ -47,6 +47,29 @@ def mini_batch_cap(rows: int) -> M2Cap:
     return M2Cap(None if tau == NO_CAP else tau, m2, m2_after, int(harmful))
 
 
+def scoped_cap(
+    options: PolicyLossOptions,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> M2Cap:
+    """M2PO's cap in the configured ``m2_scope``: the mini-batch pre-pass's, or this micro-batch's own."""
+    if options.m2_scope == "mini_batch":
+        return mini_batch_cap(old_log_prob.shape[0])
+    return m2_cap(log_prob, old_log_prob, advantages, response_mask, options.m2_budget)
+
+
+def cap_metrics(cap: M2Cap) -> dict[str, float]:
+    """The cap's metrics (``actor/m2po/*``), reported by every loss that reads it."""
+    return {
+        f"{metric_names.M2PO_LOSS}m2": cap.m2,
+        f"{metric_names.M2PO_LOSS}m2_after": cap.m2_after,
+        f"{metric_names.M2PO_LOSS}cap_binds": 0.0 if cap.tau is None else 1.0,
+        f"{metric_names.M2PO_LOSS}harmful_tokens": float(cap.harmful_tokens),
+    }
+
+
 @register_policy_loss(M2PO_LOSS)
 def compute_policy_loss_m2po(
     old_log_prob: torch.Tensor,
@@ -66,10 +89,7 @@ def compute_policy_loss_m2po(
     if config is None:
         raise ValueError("the m2po loss needs the actor config (verl passes it as `config`)")
     options = policy_loss_options(config.policy_loss)
-    if options.m2_scope == "mini_batch":
-        cap = mini_batch_cap(old_log_prob.shape[0])
-    else:
-        cap = m2_cap(log_prob, old_log_prob, advantages, response_mask, options.m2_budget)
+    cap = scoped_cap(options, log_prob, old_log_prob, advantages, response_mask)
     token_losses, clipped = m2po_token_losses(log_prob, old_log_prob, advantages, cap.ratio_bounds())
     if rollout_is_weights is not None:
         token_losses = token_losses * rollout_is_weights
@@ -84,9 +104,6 @@ def compute_policy_loss_m2po(
         "actor/pg_clipfrac": float((clipped & mask).sum()) / tokens,
         "actor/ppo_kl": ppo_kl,
         "actor/pg_clipfrac_lower": 0.0,
-        f"{metric_names.M2PO_LOSS}m2": cap.m2,
-        f"{metric_names.M2PO_LOSS}m2_after": cap.m2_after,
-        f"{metric_names.M2PO_LOSS}cap_binds": 0.0 if cap.tau is None else 1.0,
-        f"{metric_names.M2PO_LOSS}harmful_tokens": float(cap.harmful_tokens),
+        **cap_metrics(cap),
     }
     return pg_loss, metrics

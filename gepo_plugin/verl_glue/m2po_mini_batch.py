@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from gepo_plugin.config_keys import LOSS_MODE, M2_SCOPE, POLICY_LOSS, RAY_ENV_VARS
+from gepo_plugin.config_keys import LOSS_MODE, M2_MASK, M2_SCOPE, POLICY_LOSS, RAY_ENV_VARS
 from gepo_plugin.maths.m2po import M2Cap, harmful_delta_sq, solve_cap
 from gepo_plugin.maths.options import POLICY_LOSS_DEFAULTS, policy_loss_options
-from gepo_plugin.names import M2PO_LOSS
+from gepo_plugin.names import GEPO_LOSSES, M2PO_LOSS
 from gepo_plugin.verl_glue.errors import PluginConfigError
 from gepo_plugin.verl_glue.registration import M2PO_MINI_BATCH_ENV
 from gepo_plugin.verl_glue.response_terms import M2PO_CAP_FIELDS
@@ -38,10 +38,16 @@ class MiniBatchScopeError(RuntimeError):
     """The engine gave no log-probs to measure the mini-batch with (pipeline-parallel stages without outputs)."""
 
 
+def reads_m2_cap(loss_mode: Any, m2_mask: Any) -> bool:
+    """Does a loss read M2PO's cap? M2PO's does; the GEPO losses do with ``policy_loss.m2_mask=true``."""
+    return loss_mode == M2PO_LOSS or (loss_mode in GEPO_LOSSES and m2_mask is True)
+
+
 def uses_mini_batch_scope(config: DictConfig) -> bool:
-    """Does the run's actor train with M2PO over whole mini-batches? (The options are checked by the start-up
-    validation, which names a wrong value's key: here only the scope is read.)"""
-    if OmegaConf.select(config, LOSS_MODE) != M2PO_LOSS:
+    """Does the run's actor read M2PO's cap over whole mini-batches? (The options are checked by the start-up
+    validation, which names a wrong value's key: here only the switches and the scope are read.)"""
+    m2_mask = OmegaConf.select(config, M2_MASK, default=POLICY_LOSS_DEFAULTS.m2_mask)
+    if not reads_m2_cap(OmegaConf.select(config, LOSS_MODE), m2_mask):
         return False
     return OmegaConf.select(config, M2_SCOPE, default=POLICY_LOSS_DEFAULTS.m2_scope) == "mini_batch"
 
@@ -63,11 +69,14 @@ def check_switch(config: DictConfig) -> None:
 
 
 def mini_batch_budget(actor_config: Any) -> float | None:
-    """The budget when ``actor_config`` (verl's ``ActorConfig``) trains M2PO in the mini-batch scope, else None."""
+    """The budget when ``actor_config`` (verl's ``ActorConfig``) trains with M2PO's cap over whole mini-batches,
+    else None."""
     policy_loss = getattr(actor_config, "policy_loss", None)
-    if getattr(policy_loss, "loss_mode", None) != M2PO_LOSS:
+    if policy_loss is None:
         return None
     options = policy_loss_options(policy_loss)
+    if not reads_m2_cap(getattr(policy_loss, "loss_mode", None), options.m2_mask):
+        return None
     return options.m2_budget if options.m2_scope == "mini_batch" else None
 
 

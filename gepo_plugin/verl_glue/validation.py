@@ -196,7 +196,7 @@ def _loss_modes_reading(option: str) -> tuple[str, ...]:
     """The loss modes that read ``policy_loss.<option>``."""
     if option in GEPO_PLUS_FIELDS:
         return ("gepo_plus",)
-    return (M2PO_LOSS,) if option in M2PO_FIELDS else GEPO_LOSSES
+    return (M2PO_LOSS, *GEPO_LOSSES) if option in M2PO_FIELDS else GEPO_LOSSES
 
 
 #: Option blocks that only one setting reads: a value given there while that setting is off would do nothing.
@@ -282,7 +282,18 @@ def _check_gepo(config: DictConfig, options: PolicyLossOptions, warnings: list[s
         )
 
 
-def _check_m2po(config: DictConfig, options: PolicyLossOptions, warnings: list[str]) -> None:
+def _check_m2_options_read(options: PolicyLossOptions, explicit: UserKeys) -> None:
+    """M2PO's cap options given to a GEPO loss without ``m2_mask=true`` would do nothing: refuse them."""
+    given = [key for name in M2PO_FIELDS for key in explicit.under(f"{POLICY_LOSS}.{name}")]
+    if given and not options.m2_mask:
+        raise PluginConfigError(
+            f"{', '.join(given)} set, but {POLICY_LOSS}.m2_mask=false, so the GEPO loss would not read it: set "
+            f"{POLICY_LOSS}.m2_mask=true (M2PO's mask on GEPO's weights) or remove it"
+        )
+
+
+def _check_m2_cap(config: DictConfig, options: PolicyLossOptions) -> None:
+    """Where a loss reads M2PO's cap over whole mini-batches, what hands it over must be there."""
     if options.m2_scope == "mini_batch":
         mode = _select(config, TRAINER_MODE)
         if not _computes_group_term(mode):
@@ -305,6 +316,10 @@ def _check_m2po(config: DictConfig, options: PolicyLossOptions, warnings: list[s
                 f"set {POLICY_LOSS}.m2_scope=micro_batch or {ACTOR_PIPELINE_PARALLEL}=1"
             )
         check_switch(config)
+
+
+def _check_m2po(config: DictConfig, options: PolicyLossOptions, warnings: list[str]) -> None:
+    _check_m2_cap(config, options)
     if not _select(config, BYPASS_MODE, False):
         warnings.append(
             f"loss_mode={M2PO_LOSS} without {BYPASS_MODE}=true: the old log-probs are the learner's recomputed ones, "
@@ -339,6 +354,9 @@ def validate_plugin_config(config: DictConfig, hetero: HeteroSettings, explicit:
     check_rollout_correction(config)
     if _select(config, LOSS_MODE, "vanilla") in GEPO_LOSSES:
         _check_gepo(config, options[POLICY_LOSS], warnings)
+        _check_m2_options_read(options[POLICY_LOSS], explicit)
+        if options[POLICY_LOSS].m2_mask:
+            _check_m2_cap(config, options[POLICY_LOSS])
     if _select(config, LOSS_MODE) == M2PO_LOSS:
         _check_m2po(config, options[POLICY_LOSS], warnings)
     estimator = _select(config, ADV_ESTIMATOR)
