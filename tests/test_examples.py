@@ -604,3 +604,62 @@ def test_every_example_script_says_which_test_runs_it_or_why_none_does(path):
         assert named, f"{path}: say which test runs it"
         for test in named:
             assert (ROOT / test).is_file(), (path, test)
+
+
+def _printed_lab_configs(script: str, env: dict[str, str]) -> dict[str, dict]:
+    """A lab script's PRINT_ONLY commands, parsed by gepo-lab's own parser: output folder -> resolved config."""
+    from gepo_plugin.lab import stability as st
+    from gepo_plugin.lab.cli import build_parser
+
+    env = {**os.environ, "PRINT_ONLY": "1", "PYTHON": "python", "OUT": "/tmp/never-written", **env}
+    result = subprocess.run(["bash", str(EXAMPLES / script)], capture_output=True, text=True, timeout=30, env=env)
+    assert result.returncode == 0, result.stderr
+    resolved = {}
+    for line in result.stdout.splitlines():
+        words = shlex.split(line)
+        assert words[:4] == ["python", "-m", "gepo_plugin.lab", "stability"], words
+        args = build_parser().parse_args(words[3:])
+        resolved[str(args.out.relative_to("/tmp/never-written"))] = st.config_from_args(args).model_dump()
+    return resolved
+
+
+def test_the_stale_setting_search_moves_the_sweep_to_long_delays_and_changes_one_setting_per_variant():
+    """examples/lab/stale_search.sh: grpo and gspo at max lags 0 and 256, delays on [64, 4096], 300 updates, and each
+    variant one change from its base."""
+    resolved = _printed_lab_configs("lab/stale_search.sh", {})
+    base = resolved.pop("base")
+    assert (base["methods"], base["lags"], base["seeds"], base["rl_steps"]) == (["grpo", "gspo"], [0, 256], [0, 1], 300)
+    assert (base["delay_low"], base["delay_high"], base["eval_every"]) == (64.0, 4096.0, 20)
+    expected = {"lr_2e-3": {"lr"}, "lr_3e-3": {"lr"}, "group_4": {"group_size"}, "hard_task": {"max_a"}}
+    assert {name: {k for k in base if config[k] != base[k]} for name, config in resolved.items()} == expected
+
+
+def test_the_stale_comparison_runs_in_its_quick_form_and_resumes(tmp_path):
+    """examples/lab/stale_comparison.sh: its commands are the search's base setting at lags 0/64/256 for every method
+    (and GEPO with verl's correction); executed in its quick form (one seed, two methods, 4 updates) it writes the
+    paired tables, every method's intervals and the staleness plot, and a second call trains nothing again."""
+    resolved = _printed_lab_configs("lab/stale_comparison.sh", {"SEEDS": "3"})
+    plain, corrected = resolved["plain/seed_3"], resolved["decoupled_seq_is/seed_3"]
+    assert plain["methods"] == ["gepo", "gepo_plus", "gspo", "grpo", "m2po", "gepo_m2"]
+    assert corrected["methods"] == ["gepo"] and corrected["rollout_correction"] == "decoupled_seq_is"
+    for config in (plain, corrected):
+        assert (config["lags"], config["seeds"], config["rl_steps"]) == ([0, 64, 256], [3], 300)
+        assert (config["delay_low"], config["delay_high"]) == (64.0, 4096.0)
+    env = {
+        **os.environ,
+        **{"PYTHON": sys.executable, "OUT": str(tmp_path), "SEEDS": "0", "METHODS": "gepo gepo_m2", "LAGS": "0 8"},
+        **{"STEPS": "4", "JOBS": "2", "SETTING": "--preset ci"},
+    }
+    script = ["bash", str(EXAMPLES / "lab/stale_comparison.sh")]
+    first = subprocess.run(script, capture_output=True, text=True, timeout=900, env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    rows = [line.split("|")[1:3] for line in (tmp_path / "intervals.md").read_text().splitlines()[2:]]
+    names = ("gepo", "gepo_m2", "gepo+decoupled_seq_is")
+    assert [(name.strip(), int(lag)) for name, lag in rows] == [(m, lag) for m in names for lag in (0, 8)]
+    paired_rows = (tmp_path / "paired_gap.md").read_text().splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in paired_rows] == ["gepo − gepo_m2"] * 2 + [
+        "gepo − gepo+decoupled_seq_is"
+    ] * 2
+    assert (tmp_path / "staleness.png").stat().st_size > 10_000
+    again = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0 and "present: plain/seed_0" in again.stdout and "done:" not in again.stdout

@@ -6,8 +6,8 @@
 # rate (2e-3, 3e-3), the group size (4) and the task's difficulty (a in [0, 100): 4-digit answers). A setting
 # qualifies when a method's last eval at max lag 256 falls well below its best while its lag-0 run keeps it.
 #
-# Run in this repository's CI in its quick form through examples/lab/sensitivity.sh, which it calls
-# (tests/test_examples.py runs that script's quick form and checks its commands; this one only sets its variables).
+# Run in this repository's CI as commands: tests/test_examples.py parses every command it prints (PRINT_ONLY=1) and
+# runs examples/lab/sensitivity.sh, which it calls with these variables, in its quick form.
 # Resources: CPU only, one torch thread per process, JOBS (2) variants at once. Measured on the 2-core machine:
 # see docs/results.md (section "A harder setting").
 #
