@@ -40,12 +40,14 @@ def m2po_patch_applied():
     return lambda: setattr(BaseEngine, "train_batch", original)
 
 
-def train_one_mini_batch(model: str, tokenizer, micro: int, scope: str, rank: int = 0, world: int = 1):
-    """Parameters before and after one mini-batch of M2PO in ``scope``, and the step's metrics (rank 0's)."""
+def train_one_mini_batch(
+    model: str, tokenizer, micro: int, scope: str, rank: int = 0, world: int = 1, loss: tuple[str, ...] = M2PO
+):
+    """Parameters before and after one mini-batch of ``loss`` (M2PO) in ``scope``, and the step's metrics (rank 0's)."""
     from verl.utils import tensordict_utils as tu
 
-    worker = build_worker(model, micro, (*M2PO, f"actor_rollout_ref.actor.policy_loss.m2_scope={scope}"))
-    batch = ppo_batch(tokenizer)
+    worker = build_worker(model, micro, (*loss, f"actor_rollout_ref.actor.policy_loss.m2_scope={scope}"))
+    batch = ppo_batch(tokenizer, group_term=loss != M2PO)
     data = batch if world == 1 else tu.chunk_tensordict(batch, world)[rank]
     before = parameters(worker)
     output = worker.train_mini_batch(data)
@@ -101,3 +103,32 @@ def test_the_mini_batch_scope_gathers_every_data_parallel_rank(tiny, tmp_path: P
         finally:
             restore()
     assert largest_difference(torch.load(out), single) < 1e-6
+
+
+GEPO_M2 = (
+    "actor_rollout_ref.actor.policy_loss.loss_mode=gepo",
+    "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+    "actor_rollout_ref.actor.policy_loss.m2_mask=true",
+)
+
+
+def test_gepo_with_m2pos_mask_reads_the_same_measured_cap_whatever_the_micro_batch_size(tiny):
+    """GEPO with ``m2_mask=true`` through the same engine pre-pass: the loss reads the measured cap (it binds and masks
+    tokens), micro-batches of 2 and 4 train the same update, and the micro-batch scope on micro-batches of 2, whose
+    caps differ, trains another one."""
+    model, tokenizer = tiny
+    with cpu_engine_backend():
+        restore = m2po_patch_applied()
+        try:
+            runs = {
+                (scope, micro): train_one_mini_batch(model, tokenizer, micro, scope, loss=GEPO_M2)
+                for scope, micro in (("mini_batch", 2), ("mini_batch", 4), ("micro_batch", 2))
+            }
+        finally:
+            restore()
+    before, mini_2, metrics = runs["mini_batch", 2]
+    assert largest_difference(before, mini_2) > 1e-4
+    assert all(value == 1.0 for value in metrics["actor/m2po/cap_binds"])
+    assert max(metrics["actor/m2po/masked_frac"]) > 0
+    assert largest_difference(mini_2, runs["mini_batch", 4][1]) < 1e-6
+    assert largest_difference(mini_2, runs["micro_batch", 2][1]) > 1e-5

@@ -119,10 +119,13 @@ def build_worker(model_path: str, micro: int, overrides: Sequence[str] = ()) -> 
     return worker
 
 
-def ppo_batch(tokenizer: Any, prompts: int = 2, n: int = 4, seed: int = 0, old_shift: float = 0.3) -> Any:
+def ppo_batch(
+    tokenizer: Any, prompts: int = 2, n: int = 4, seed: int = 0, old_shift: float = 0.3, group_term: bool = False
+) -> Any:
     """A batch as verl's trainer hands ``update_actor``: prompts left-padded, responses right-padded, the old
     log-probs ``old_shift`` nats above a typical tiny-model log-prob with noise (a stale sampler), group-normalised
-    advantages; in verl's no-padding layout with the trainer's non-tensor keys (one mini-batch)."""
+    advantages; in verl's no-padding layout with the trainer's non-tensor keys (one mini-batch). ``group_term``: with
+    GEPO's per-prompt group term, as the plugin's trainer adds it."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -160,6 +163,14 @@ def ppo_batch(tokenizer: Any, prompts: int = 2, n: int = 4, seed: int = 0, old_s
         },
         batch_size=[rows],
     )
+    if group_term:
+        from gepo_plugin.maths import group_log_expectation_from_tokens
+        from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION
+
+        group_ids = torch.arange(prompts).repeat_interleave(n)
+        batch[LOG_GROUP_EXPECTATION] = group_log_expectation_from_tokens(
+            batch["old_log_probs"], response_mask, group_ids
+        )
     batch = left_right_2_no_padding(batch)
     tu.assign_non_tensor(
         batch,
