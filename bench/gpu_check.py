@@ -134,6 +134,7 @@ def _pydantic_stand_in() -> types.ModuleType:
         ConfigDict=config_dict,
         model_validator=validator,
         field_validator=validator,
+        StrictBool=bool,
     )
     return module
 
