@@ -645,10 +645,14 @@ def test_the_stale_comparison_runs_in_its_quick_form_and_resumes(tmp_path):
     for config in (plain, corrected):
         assert (config["lags"], config["seeds"], config["rl_steps"]) == ([0, 64, 256], [3], 300)
         assert (config["delay_low"], config["delay_high"]) == (64.0, 4096.0)
+    for method in ("grpo", "gspo"):  # the control: other methods under the same correction
+        control = resolved.pop(f"control_decoupled_seq_is/{method}")
+        assert (control["methods"], control["lags"], control["seeds"]) == ([method], [64, 256], [0, 1, 2])
+        assert control["rollout_correction"] == "decoupled_seq_is" and control["delay_high"] == 4096.0
     env = {
         **os.environ,
         **{"PYTHON": sys.executable, "OUT": str(tmp_path), "SEEDS": "0", "METHODS": "gepo gepo_m2", "LAGS": "0 8"},
-        **{"STEPS": "4", "JOBS": "2", "SETTING": "--preset ci"},
+        **{"STEPS": "4", "JOBS": "2", "SETTING": "--preset ci", "CONTROL_SEEDS": ""},
     }
     script = ["bash", str(EXAMPLES / "lab/stale_comparison.sh")]
     first = subprocess.run(script, capture_output=True, text=True, timeout=900, env=env)

@@ -20,13 +20,24 @@ def _finite(value) -> bool:
     return value is not None and math.isfinite(float(value))
 
 
-def test_m2po_measures_each_mini_batch_in_the_learners_and_trains(tiny, tmp_path):
+@pytest.mark.parametrize(
+    "loss",
+    [
+        "m2po",
+        # the same pre-pass, switch and cap fields, read by GEPO's loss: a path CI runs with m2po
+        pytest.param("gepo_m2_mask", marks=pytest.mark.extended),
+    ],
+)
+def test_m2po_measures_each_mini_batch_in_the_learners_and_trains(tiny, tmp_path, loss):
     """Without the launcher's switch or the patch in the learner processes the loss would stop at its first
     micro-batch (the cap missing): the run trains, with the cap measured over each whole mini-batch, which verl
-    then splits over two learners and two-row micro-batches. The budget 0 clips every harmful token."""
-    overrides = cpu_run_overrides(tiny, loss="m2po", steps=STEPS, output_dir=str(tmp_path))
+    then splits over two learners and two-row micro-batches. The budget 0 clips every harmful token (M2PO), or
+    masks it (GEPO with ``m2_mask=true``)."""
+    overrides = cpu_run_overrides(tiny, loss=loss.removesuffix("_m2_mask"), steps=STEPS, output_dir=str(tmp_path))
     overrides.append("actor_rollout_ref.actor.policy_loss.m2_budget=0")
-    code, metrics, log = timed_run("m2po, sync, 2 steps", overrides, tmp_path)
+    if loss == "gepo_m2_mask":
+        overrides.append("actor_rollout_ref.actor.policy_loss.m2_mask=true")
+    code, metrics, log = timed_run(f"{loss}, sync, 2 steps", overrides, tmp_path)
     assert code == 0, log[-6000:]
     assert sorted(metrics) == list(range(1, STEPS + 1))
     for step, m in metrics.items():
@@ -35,7 +46,8 @@ def test_m2po_measures_each_mini_batch_in_the_learners_and_trains(tiny, tmp_path
             assert _finite(m[f"actor/m2po/{key}"]), key
         # the mini-batch's count, the same in every micro-batch of both learners (a micro-batch's own is smaller)
         assert m["actor/m2po/harmful_tokens"] == int(m["actor/m2po/harmful_tokens"]) > 0, step
-        assert m["actor/m2po/cap_binds"] == 1.0 and m["actor/pg_clipfrac"] > 0, step
+        assert m["actor/m2po/cap_binds"] == 1.0, step
+        assert m["actor/pg_clipfrac" if loss == "m2po" else "actor/m2po/masked_frac"] > 0, step
         assert not undeclared(m), undeclared(m)
 
 

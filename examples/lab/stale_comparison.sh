@@ -9,7 +9,9 @@
 # stopped and more seeds can be added later. JOBS tasks run at once. At the end `gepo-lab paired` pairs every
 # seed present: $OUT/paired_{last,best,gap}.md (GEPO minus each method: mean, 95% CI, sign test),
 # $OUT/intervals.md (each method's best, last and best - last with 95% intervals) and $OUT/staleness.png (last eval
-# against max lag, one line per method with its interval).
+# against max lag, one line per method with its interval). A control, CONTROL_METHODS (grpo, gspo) with the same
+# correction at max lags 64 and 256 over CONTROL_SEEDS (0-2; empty: none), goes to $OUT/control_<correction>/:
+# is a collapse under the correction GEPO's, or the decoupled mode's?
 #
 # Run in this repository's CI in its quick form (one seed, two methods, lags 0 and 8, 4 updates: tests/test_examples.py).
 # Resources: CPU only, one torch thread per process. Measured on the 2-core machine with JOBS=2: about 60 s per
@@ -29,6 +31,8 @@ CORRECTION="${CORRECTION:-decoupled_seq_is}"
 LAGS="${LAGS:-0 64 256}"
 STEPS="${STEPS:-300}"
 SETTING="${SETTING:---preset paper --delay-low 64 --delay-high 4096 --eval-every 20}"
+CONTROL_METHODS="${CONTROL_METHODS:-grpo gspo}"
+CONTROL_SEEDS="${CONTROL_SEEDS-0 1 2}"
 
 tasks=()
 for seed in $SEEDS; do
@@ -37,6 +41,12 @@ for seed in $SEEDS; do
   tasks+=("plain/seed_$seed|$common --methods $METHODS")
   tasks+=("$CORRECTION/seed_$seed|$common --methods gepo --rollout-correction $CORRECTION")
 done
+if [ -n "$CONTROL_SEEDS" ]; then
+  for method in $CONTROL_METHODS; do
+    tasks+=("control_$CORRECTION/$method|-m gepo_plugin.lab stability $SETTING --lags 64 256 --seeds $CONTROL_SEEDS \
+--rl-steps $STEPS --no-progress --methods $method --rollout-correction $CORRECTION")
+  done
+fi
 if [ "${PRINT_ONLY:-0}" = "1" ]; then
   for task in "${tasks[@]}"; do
     echo "$python_bin ${task#*|} --out $OUT/${task%%|*}"

@@ -278,7 +278,8 @@ def _check_gepo(config: DictConfig, options: PolicyLossOptions, warnings: list[s
     if not _select(config, BYPASS_MODE, False):
         warnings.append(
             f"loss_mode={loss_mode} without {BYPASS_MODE}=true: q is the recomputed old policy, not the sampler's "
-            "log-probs the paper's weight is defined with"
+            "log-probs the paper's weight is defined with (in the lab's stale comparison, GEPO with verl's decoupled "
+            "sequence-level truncated IS collapsed at max lags 64 and 256 in 20 of 20 seeds; see the Results page)"
         )
 
 
