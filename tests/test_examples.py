@@ -484,25 +484,29 @@ def test_launch_command_resolves_with_the_cli(name, cfg_jobs, overrides_by_scrip
     assert printed == settled
 
 
-def test_lab_sensitivity_sweep_runs_valid_lab_commands_one_change_each():
-    """examples/lab/sensitivity.sh: every printed command parses with gepo-lab's own parser, resolves to a valid
-    lab config, and differs from the ``base`` variant in exactly the setting its name says."""
+def _printed_lab_configs(script: str, env: dict[str, str]) -> dict[str, dict]:
+    """A lab script's PRINT_ONLY commands, parsed by gepo-lab's own parser: output folder -> resolved config."""
     from gepo_plugin.lab import stability as st
     from gepo_plugin.lab.cli import build_parser
 
-    env = {**os.environ, "PRINT_ONLY": "1", "PYTHON": "python", "OUT": "/tmp/never-written"}
-    result = subprocess.run(
-        ["bash", str(EXAMPLES / "lab/sensitivity.sh")], capture_output=True, text=True, timeout=30, env=env
-    )
+    env = {**os.environ, "PRINT_ONLY": "1", "PYTHON": "python", "OUT": "/tmp/never-written", **env}
+    result = subprocess.run(["bash", str(EXAMPLES / script)], capture_output=True, text=True, timeout=30, env=env)
     assert result.returncode == 0, result.stderr
     resolved = {}
     for line in result.stdout.splitlines():
         words = shlex.split(line)
         assert words[:4] == ["python", "-m", "gepo_plugin.lab", "stability"], words
         args = build_parser().parse_args(words[3:])
-        config = st.config_from_args(args)
-        assert (config.methods, config.lags, config.seeds) == (["gepo", "gspo", "grpo"], [64], [0, 1, 2])
-        resolved[args.out.name] = config.model_dump()
+        resolved[str(args.out.relative_to("/tmp/never-written"))] = st.config_from_args(args).model_dump()
+    return resolved
+
+
+def test_lab_sensitivity_sweep_runs_valid_lab_commands_one_change_each():
+    """examples/lab/sensitivity.sh: every printed command parses with gepo-lab's own parser, resolves to a valid
+    lab config, and differs from the ``base`` variant in exactly the setting its name says."""
+    resolved = _printed_lab_configs("lab/sensitivity.sh", {})
+    for config in resolved.values():
+        assert (config["methods"], config["lags"], config["seeds"]) == (["gepo", "gspo", "grpo"], [64], [0, 1, 2])
     base = resolved.pop("base")
     expected = {
         "lr_3e-3": {"lr"},
@@ -519,7 +523,10 @@ def test_lab_sensitivity_sweep_runs_valid_lab_commands_one_change_each():
         changed = {field for field in base if config[field] != base[field]}
         assert changed == expected[name], name
     unknown = subprocess.run(
-        ["bash", str(EXAMPLES / "lab/sensitivity.sh"), "no_such_variant"], capture_output=True, text=True, env=env
+        ["bash", str(EXAMPLES / "lab/sensitivity.sh"), "no_such_variant"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PRINT_ONLY": "1", "PYTHON": "python", "OUT": "/tmp/never-written"},
     )
     assert unknown.returncode == 2 and "unknown variant" in unknown.stderr
 
@@ -604,23 +611,6 @@ def test_every_example_script_says_which_test_runs_it_or_why_none_does(path):
         assert named, f"{path}: say which test runs it"
         for test in named:
             assert (ROOT / test).is_file(), (path, test)
-
-
-def _printed_lab_configs(script: str, env: dict[str, str]) -> dict[str, dict]:
-    """A lab script's PRINT_ONLY commands, parsed by gepo-lab's own parser: output folder -> resolved config."""
-    from gepo_plugin.lab import stability as st
-    from gepo_plugin.lab.cli import build_parser
-
-    env = {**os.environ, "PRINT_ONLY": "1", "PYTHON": "python", "OUT": "/tmp/never-written", **env}
-    result = subprocess.run(["bash", str(EXAMPLES / script)], capture_output=True, text=True, timeout=30, env=env)
-    assert result.returncode == 0, result.stderr
-    resolved = {}
-    for line in result.stdout.splitlines():
-        words = shlex.split(line)
-        assert words[:4] == ["python", "-m", "gepo_plugin.lab", "stability"], words
-        args = build_parser().parse_args(words[3:])
-        resolved[str(args.out.relative_to("/tmp/never-written"))] = st.config_from_args(args).model_dump()
-    return resolved
 
 
 def test_the_stale_setting_search_moves_the_sweep_to_long_delays_and_changes_one_setting_per_variant():

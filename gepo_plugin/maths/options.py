@@ -130,8 +130,6 @@ class DeltaLOptions(BaseModel):
 GEPO_PLUS_FIELDS: tuple[str, ...] = ("gepo_plus_mode", "gepo_plus_kl_threshold")
 #: M2PO's cap options: ``loss_mode=m2po`` reads them, and the GEPO losses with ``m2_mask=true``.
 M2PO_FIELDS: tuple[str, ...] = ("m2_budget", "m2_scope")
-#: The option that applies M2PO's mask to the GEPO losses.
-M2_MASK_FIELD = "m2_mask"
 
 POLICY_LOSS_DEFAULTS = PolicyLossOptions()
 BNPO_DEFAULTS = BNPOOptions()
