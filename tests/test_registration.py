@@ -36,6 +36,8 @@ def run_python(code: str, env_extra: dict[str, str] | None = None) -> subprocess
         "import verl",
         "from gepo_plugin.verl_glue.trainers import compute_group_terms",
         "import gepo_plugin.verl_glue.losses",
+        "import gepo_plugin.verl_glue.m2po_loss",  # both losses read M2PO's cap: neither may import the other
+        "import gepo_plugin.verl_glue.m2_cap",
         "import gepo_plugin.verl_glue.advantages",
         "from verl.trainer.ppo.core_algos import get_policy_loss_fn",
         "from verl.trainer.ppo.v1.trainer_base import PPOTrainer",

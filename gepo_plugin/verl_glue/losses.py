@@ -32,7 +32,7 @@ from gepo_plugin.maths.gepo_metrics import STEP_STATISTICS, STEP_TOTALS, TOTALS,
 from gepo_plugin.maths.gepo_plus import GEPOPlusRule
 from gepo_plugin.maths.m2po import m2_masked_tokens
 from gepo_plugin.maths.options import policy_loss_options
-from gepo_plugin.verl_glue.m2po_loss import cap_metrics, scoped_cap
+from gepo_plugin.verl_glue.m2_cap import cap_metrics, scoped_cap
 from gepo_plugin.verl_glue.response_terms import LOG_GROUP_EXPECTATION, RESPONSE_LAG, current_response_terms
 
 GROUP_TERM_MISSING = (

@@ -4,7 +4,8 @@ The maths is :mod:`gepo_plugin.maths.m2po` (the authors' arithmetic); this modul
 takes the cap from the configured scope and aggregates with verl's ``agg_loss``. ``m2_scope=micro_batch`` computes
 the cap over the micro-batch it is handed, as the authors' code does, so the result depends on how verl splits the
 mini-batch; ``m2_scope=mini_batch`` (the default) reads the cap the mini-batch's pre-pass computed over every
-micro-batch and rank (:mod:`gepo_plugin.verl_glue.m2po_mini_batch`), handed over as per-response fields.
+micro-batch and rank (:mod:`gepo_plugin.verl_glue.m2po_mini_batch`), handed over as per-response fields and read
+by :mod:`gepo_plugin.verl_glue.m2_cap`.
 """
 
 from __future__ import annotations
@@ -14,60 +15,12 @@ from typing import Any
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-from gepo_plugin import metric_names
-from gepo_plugin.maths.m2po import NO_CAP, M2Cap, m2_cap, m2po_token_losses
-from gepo_plugin.maths.options import PolicyLossOptions, policy_loss_options
+from gepo_plugin.maths.m2po import m2po_token_losses
+from gepo_plugin.maths.options import policy_loss_options
 from gepo_plugin.names import M2PO_LOSS
-from gepo_plugin.verl_glue.response_terms import M2PO_CAP_FIELDS, current_response_terms
+from gepo_plugin.verl_glue.m2_cap import MiniBatchCapMissingError, cap_metrics, scoped_cap
 
-CAP_MISSING = (
-    "M2PO's mini-batch cap (fields " + ", ".join(M2PO_CAP_FIELDS) + ") did not reach the loss: with "
-    "policy_loss.m2_scope=mini_batch the plugin measures the second moment over the whole mini-batch before verl's "
-    "update, which needs the plugin's launcher (`python -m gepo_plugin.main_ppo algorithm.loss=m2po ...`). Or set "
-    "`actor_rollout_ref.actor.policy_loss.m2_scope=micro_batch` to take it over each micro-batch, as the authors' "
-    "code does."
-)
-
-
-class MiniBatchCapMissingError(RuntimeError):
-    """The m2po loss ran with ``m2_scope=mini_batch`` but without the pre-pass's cap."""
-
-
-def mini_batch_cap(rows: int) -> M2Cap:
-    """The cap the mini-batch's pre-pass handed over for this micro-batch's ``rows`` (the same in every row)."""
-    terms = current_response_terms()
-    if not all(name in terms for name in M2PO_CAP_FIELDS):
-        raise MiniBatchCapMissingError(CAP_MISSING)
-    values = [terms[name] for name in M2PO_CAP_FIELDS]
-    if any(value.shape != (rows,) for value in values):
-        raise MiniBatchCapMissingError(
-            f"M2PO's mini-batch cap has shapes {[tuple(v.shape) for v in values]}, not {rows}"
-        )
-    tau, m2, m2_after, harmful = (float(value[0]) for value in values)
-    return M2Cap(None if tau == NO_CAP else tau, m2, m2_after, int(harmful))
-
-
-def scoped_cap(
-    options: PolicyLossOptions,
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-) -> M2Cap:
-    """M2PO's cap in the configured ``m2_scope``: the mini-batch pre-pass's, or this micro-batch's own."""
-    if options.m2_scope == "mini_batch":
-        return mini_batch_cap(old_log_prob.shape[0])
-    return m2_cap(log_prob, old_log_prob, advantages, response_mask, options.m2_budget)
-
-
-def cap_metrics(cap: M2Cap) -> dict[str, float]:
-    """The cap's metrics (``actor/m2po/*``), reported by every loss that reads it."""
-    return {
-        f"{metric_names.M2PO_LOSS}m2": cap.m2,
-        f"{metric_names.M2PO_LOSS}m2_after": cap.m2_after,
-        f"{metric_names.M2PO_LOSS}cap_binds": 0.0 if cap.tau is None else 1.0,
-        f"{metric_names.M2PO_LOSS}harmful_tokens": float(cap.harmful_tokens),
-    }
+__all__ = ["MiniBatchCapMissingError", "compute_policy_loss_m2po"]
 
 
 @register_policy_loss(M2PO_LOSS)
