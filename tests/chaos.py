@@ -12,7 +12,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+
+from free_ports import free_port
 
 from gepo_plugin.metric_names import undeclared
 from gepo_plugin.tiny import cpu_run_overrides, read_metrics
@@ -65,12 +66,6 @@ print("done", sys.argv[3], name)
 CLUSTER_ENV: dict[str, str] = {"RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def new_cluster_token() -> None:
     """Ray authenticates clients of a cluster started with ``ray start``: the run and the drivers carry its token."""
     CLUSTER_ENV.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)})
@@ -82,7 +77,7 @@ def ray_cluster(cpus: int, gpus: int):
 
     Started with ``--block`` in its own session, so stopping it ends exactly this cluster's processes (``ray stop``
     would end every Ray cluster of the machine). Its temp dir is short: Ray's socket paths must fit 107 bytes."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     temp_dir = tempfile.mkdtemp(prefix="rg", dir="/tmp")
     new_cluster_token()
     head = subprocess.Popen(

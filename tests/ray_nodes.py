@@ -20,7 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from chaos import CLUSTER_ENV, _free_port, new_cluster_token
+from chaos import CLUSTER_ENV, new_cluster_token
+from free_ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,8 +50,8 @@ class Node:
 
 def _agent_ports() -> str:
     return (
-        f"--dashboard-agent-listen-port={_free_port()} --dashboard-agent-grpc-port={_free_port()} "
-        f"--runtime-env-agent-port={_free_port()} --metrics-export-port={_free_port()}"
+        f"--dashboard-agent-listen-port={free_port()} --dashboard-agent-grpc-port={free_port()} "
+        f"--runtime-env-agent-port={free_port()} --metrics-export-port={free_port()}"
     )
 
 
@@ -81,7 +82,7 @@ class RayNodes:
 
     def __init__(self, temp_dir: str) -> None:
         self.temp_dir = temp_dir
-        self.address = f"{HEAD_IP}:{_free_port()}"
+        self.address = f"{HEAD_IP}:{free_port()}"
         self.nodes: dict[str, Node] = {}
         self._workers_started = 0  # each worker node gets its own address, 127.0.0.2, 127.0.0.3, ...
         self.base = {
@@ -98,8 +99,8 @@ class RayNodes:
             "NUM_GPUS": str(gpus),
             "RAY_NUM_CPUS": str(cpus),
             "RAY_PORT": self.address.split(":")[1],
-            "DASHBOARD_PORT": str(_free_port()),
-            "RAY_CLIENT_PORT": str(_free_port()),
+            "DASHBOARD_PORT": str(free_port()),
+            "RAY_CLIENT_PORT": str(free_port()),
             # start_head.sh's default role (learner) offers LEARNER_RESOURCE: HeteroRL keeps verl's services there
             "RAY_EXTRA_ARGS": f"--temp-dir={self.temp_dir} --include-dashboard=false {_agent_ports()}",
         }

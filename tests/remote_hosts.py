@@ -13,22 +13,17 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from free_ports import free_port
+
 #: what a remote machine runs to start a host (an honest one)
 SAMPLER_HOST_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "remote" / "sampler_host.sh"
 #: vLLM's CPU build, one engine per host: a 1 GiB KV cache, and no thread pinning (two engines would share a core).
 CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_host(

@@ -20,8 +20,9 @@ import signal
 
 import pytest
 from chaos import check_every_step
+from free_ports import free_port
 from relay_fixtures import s3_server
-from remote_hosts import free_port, start_host, stop, wait_for
+from remote_hosts import start_host, stop, wait_for
 from test_remote_e2e import TOKEN_ENV, keys, remote_overrides, tiny  # noqa: F401  (fixtures)
 from test_vllm_e2e import start
 

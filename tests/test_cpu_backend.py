@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from free_ports import free_port
 
 from gepo_plugin.versions import installed_version
 
@@ -97,7 +98,7 @@ def test_a_patch_refuses_an_unsupported_verl(installed_versions):
 
 GLOO_PROBE = r"""
 import os, torch, verl
-os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PROBE_PORT"])
 from verl.workers import engine_workers
 
 engine_workers.initialize_global_process_group_ray(timeout_second=30)
@@ -107,7 +108,7 @@ t = torch.ones(3); torch.distributed.all_reduce(t); print(t.tolist())
 
 
 def test_the_process_group_patch_gives_a_working_gloo_group():
-    env = {**os.environ, "VERL_PLATFORM": "cpu"}
+    env = {**os.environ, "VERL_PLATFORM": "cpu", "PROBE_PORT": str(free_port())}
     result = subprocess.run([sys.executable, "-c", GLOO_PROBE], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()

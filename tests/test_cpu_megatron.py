@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from free_ports import free_port
 from omegaconf import OmegaConf
 
 from gepo_plugin.cpu_backend.megatron.settings import MODEL_REQUIREMENTS, ROLE_REQUIREMENTS, requirements
@@ -214,7 +215,7 @@ def _run_probe(code: str, port: int) -> dict:
 
 @pytest.mark.slow
 def test_the_megatron_patches_on_real_megatron_core():
-    report = _run_probe(PATCH_PROBE, 29571)
+    report = _run_probe(PATCH_PROBE, free_port())
     assert report["applied"] == report["patch_names"]
     assert report["current_device"] == "cpu"
     assert report["tracker"] == "CPURNGStatesTracker"

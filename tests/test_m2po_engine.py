@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from free_ports import free_port
 from verl_engine import build_worker, cpu_engine_backend, largest_difference, parameters, ppo_batch
 
 pytestmark = pytest.mark.slow
@@ -95,8 +96,8 @@ def test_the_mini_batch_scope_gathers_every_data_parallel_rank(tiny, tmp_path: P
     halves' harmful tokens, so the update is the one of a single rank holding the whole mini-batch."""
     model, tokenizer = tiny
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(2, model, 29613, str(out)), nprocs=2, join=True)
-    with cpu_engine_backend(port=29614):
+    mp.spawn(_rank, args=(2, model, free_port(), str(out)), nprocs=2, join=True)
+    with cpu_engine_backend():
         restore = m2po_patch_applied()
         try:
             _, single, _ = train_one_mini_batch(model, tokenizer, 2, "mini_batch")

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import pytest
 from chaos import check_every_step
+from free_ports import free_port
 from outage_proxy import OutageProxy
 from relay_fixtures import s3_server
-from remote_hosts import free_port, start_host, stop, wait_for
+from remote_hosts import start_host, stop, wait_for
 from test_cpu_megatron_e2e import MEGATRON
 from test_vllm_e2e import FP32_GAP, GAP, hetero_overrides, start
 

@@ -17,7 +17,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from remote_hosts import free_port, ray_with_token
+from free_ports import free_port
+from remote_hosts import ray_with_token
 
 from gepo_plugin.hetero.relay.signing import generate_pair
 from gepo_plugin.hetero.remote.protocol import Results, SamplerStatus, VersionWindow

@@ -18,9 +18,10 @@ import time
 
 import pytest
 import torch
+from free_ports import free_port
 from outage_proxy import OutageProxy
 from relay_fixtures import s3_server
-from remote_hosts import free_port, ray_with_token, start_host, stop, wait_for
+from remote_hosts import ray_with_token, start_host, stop, wait_for
 from safetensors.torch import load_file
 
 from gepo_plugin.hetero.relay.publisher import RelayPublisher

@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from free_ports import free_port
 
 #: float32 compute and an SGD step (see the module's docstring)
 EXACT_ENGINE = (
@@ -29,9 +30,10 @@ EXACT_ENGINE = (
 
 
 @contextmanager
-def cpu_engine_backend(rank: int = 0, world: int = 1, port: int = 29591) -> Iterator[None]:
+def cpu_engine_backend(rank: int = 0, world: int = 1, port: int | None = None) -> Iterator[None]:
     """verl's platform set to the plugin's CPU platform, verl's FSDP engines registered for ``cpu`` and a gloo process
-    group of ``world`` ranks; everything restored afterwards."""
+    group of ``world`` ranks (its rendezvous on ``port``: the ranks' shared one, or a free one for a single rank);
+    everything restored afterwards."""
     import torch.distributed as dist
     from verl.plugin.platform import platform_manager, set_platform
     from verl.workers.engine.base import EngineRegistry
@@ -43,7 +45,11 @@ def cpu_engine_backend(rank: int = 0, world: int = 1, port: int = 29591) -> Iter
     saved_engines = copy.deepcopy(EngineRegistry._engines)
     saved_env = {key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port or free_port()),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
     )
     set_platform(PlatformCPU())
     EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")(FSDPEngineWithLMHead)
