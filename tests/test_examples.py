@@ -484,12 +484,16 @@ def test_launch_command_resolves_with_the_cli(name, cfg_jobs, overrides_by_scrip
     assert printed == settled
 
 
+#: a lab script asked to print its commands instead of running them (into a folder never written)
+PRINT_ONLY_ENV = {"PRINT_ONLY": "1", "PYTHON": "python", "OUT": "/tmp/never-written"}
+
+
 def _printed_lab_configs(script: str, env: dict[str, str]) -> dict[str, dict]:
     """A lab script's PRINT_ONLY commands, parsed by gepo-lab's own parser: output folder -> resolved config."""
     from gepo_plugin.lab import stability as st
     from gepo_plugin.lab.cli import build_parser
 
-    env = {**os.environ, "PRINT_ONLY": "1", "PYTHON": "python", "OUT": "/tmp/never-written", **env}
+    env = {**os.environ, **PRINT_ONLY_ENV, **env}
     result = subprocess.run(["bash", str(EXAMPLES / script)], capture_output=True, text=True, timeout=30, env=env)
     assert result.returncode == 0, result.stderr
     resolved = {}
@@ -497,7 +501,7 @@ def _printed_lab_configs(script: str, env: dict[str, str]) -> dict[str, dict]:
         words = shlex.split(line)
         assert words[:4] == ["python", "-m", "gepo_plugin.lab", "stability"], words
         args = build_parser().parse_args(words[3:])
-        resolved[str(args.out.relative_to("/tmp/never-written"))] = st.config_from_args(args).model_dump()
+        resolved[str(args.out.relative_to(PRINT_ONLY_ENV["OUT"]))] = st.config_from_args(args).model_dump()
     return resolved
 
 
@@ -526,7 +530,7 @@ def test_lab_sensitivity_sweep_runs_valid_lab_commands_one_change_each():
         ["bash", str(EXAMPLES / "lab/sensitivity.sh"), "no_such_variant"],
         capture_output=True,
         text=True,
-        env={**os.environ, "PRINT_ONLY": "1", "PYTHON": "python", "OUT": "/tmp/never-written"},
+        env={**os.environ, **PRINT_ONLY_ENV},
     )
     assert unknown.returncode == 2 and "unknown variant" in unknown.stderr
 

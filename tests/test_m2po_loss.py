@@ -10,7 +10,7 @@ from test_m2po_maths import their_loss
 
 from gepo_plugin.maths.m2po import m2_cap
 from gepo_plugin.verl_glue.loss_batch import compose_actor_config, loss_over_micro_batches
-from gepo_plugin.verl_glue.m2po_loss import MiniBatchCapMissingError
+from gepo_plugin.verl_glue.m2_cap import MiniBatchCapMissingError
 from gepo_plugin.verl_glue.m2po_mini_batch import cap_fields
 
 BASE = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=2", "policy_loss.loss_mode=m2po", "loss_agg_mode=token-mean"]

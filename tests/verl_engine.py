@@ -36,6 +36,9 @@ def cpu_engine_backend(rank: int = 0, world: int = 1, port: int | None = None) -
     everything restored afterwards."""
     import torch.distributed as dist
     from verl.plugin.platform import platform_manager, set_platform
+
+    if port is None and world > 1:
+        raise ValueError("ranks of one group must share its rendezvous port: pass the same `port` to every rank")
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 

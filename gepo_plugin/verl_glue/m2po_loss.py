@@ -18,9 +18,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 from gepo_plugin.maths.m2po import m2po_token_losses
 from gepo_plugin.maths.options import policy_loss_options
 from gepo_plugin.names import M2PO_LOSS
-from gepo_plugin.verl_glue.m2_cap import MiniBatchCapMissingError, cap_metrics, scoped_cap
-
-__all__ = ["MiniBatchCapMissingError", "compute_policy_loss_m2po"]
+from gepo_plugin.verl_glue.m2_cap import cap_metrics, scoped_cap
 
 
 @register_policy_loss(M2PO_LOSS)
