@@ -2,8 +2,7 @@
 # The test suite (what CI runs). Sets up .venv on first use; extra arguments go to pytest (one serial run).
 # Without arguments: ruff, then the suite in two phases: the tests that start no Ray cluster on both cores
 # (pytest-xdist; tests in one xdist_group, e.g. those that watch /dev/shm, share a worker), then the Ray and
-# end-to-end runs one at a time (each uses every core and its own cluster), without the opt-in tier (`extended`: runs
-# that repeat a path CI runs with another transport or learner; `bash test.sh -m extended` runs it).
+# end-to-end runs one at a time (each uses every core; most join one Ray cluster the session shares).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bash "$root/scripts/bootstrap.sh"
@@ -15,5 +14,5 @@ if [ "$#" -gt 0 ]; then
 fi
 status=0
 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not ray and not e2e" || status=$?
-.venv/bin/python -m pytest -q -p no:cacheprovider -m "(ray or e2e) and not extended" || status=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider -m "ray or e2e" || status=$?
 exit "$status"

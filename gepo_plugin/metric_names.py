@@ -172,6 +172,7 @@ METRICS: tuple[Metric, ...] = (
     Metric(_G + "arrival_lag_mean_s", "relay: mean seconds from publication to arrival"),
     Metric(_G + "pull_s_mean", "relay: mean seconds a pull took"),
     Metric(_G + "trained_trajectories", "trajectories of the group trained this step"),
+    Metric(_G + "reward_mean", "mean reward of the group's trajectories trained this step (absent when none)"),
     Metric(_G + "trained_tokens_per_s", "response tokens of the group trained per second"),
     # the relay: the learner's counters, and the samplers' summed over replicas
     *(Metric(RELAY + name, f"learner: {meaning}") for name, meaning in RELAY_COUNTERS.items()),

@@ -1,6 +1,6 @@
 """Break a running CPU training run's samplers from outside, as a failing machine would (no hook in the run).
 
-The run joins a Ray cluster the test starts (``ray start --head``), so the test can reach the run's real rollout
+The run joins a Ray cluster the test started (``tests/ray_nodes.py``), so the test can reach the run's real rollout
 server actors by name and kill one (``ray.kill``: its process is gone) or block its event loop (alive, but it
 never answers again). Each action runs in a short-lived driver process, so the test process never joins Ray.
 """
@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
-
-from free_ports import free_port
+from typing import TYPE_CHECKING
 
 from gepo_plugin.metric_names import undeclared
-from gepo_plugin.tiny import cpu_run_overrides, read_metrics
+from gepo_plugin.tiny import cpu_run_overrides
+
+if TYPE_CHECKING:
+    from ray_nodes import RayNodes
 
 #: What a driver runs against a server actor, once the server is mid-generation (so the failure hits requests in
 #: flight, as a machine failing under load would): ``hang`` blocks its event loop for an hour (the CPU server's loop
@@ -62,72 +58,16 @@ print("done", sys.argv[3], name)
 """
 
 
-#: Environment of every process that joins the test's Ray cluster (set by :func:`ray_cluster`).
-CLUSTER_ENV: dict[str, str] = {"RAY_USAGE_STATS_ENABLED": "0"}
-
-
-def new_cluster_token() -> None:
-    """Ray authenticates clients of a cluster started with ``ray start``: the run and the drivers carry its token."""
-    CLUSTER_ENV.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)})
-
-
-@contextmanager
-def ray_cluster(cpus: int, gpus: int):
-    """A local Ray head with ``gpus`` logical GPUs (verl's pools ask for them); yields its address.
-
-    Started with ``--block`` in its own session, so stopping it ends exactly this cluster's processes (``ray stop``
-    would end every Ray cluster of the machine). Its temp dir is short: Ray's socket paths must fit 107 bytes."""
-    address = f"127.0.0.1:{free_port()}"
-    temp_dir = tempfile.mkdtemp(prefix="rg", dir="/tmp")
-    new_cluster_token()
-    head = subprocess.Popen(
-        [
-            str(Path(sys.executable).with_name("ray")),
-            "start",
-            "--head",
-            "--block",
-            "--node-ip-address=127.0.0.1",
-            f"--port={address.split(':')[1]}",
-            f"--num-cpus={cpus}",
-            f"--num-gpus={gpus}",
-            "--include-dashboard=false",
-            f"--temp-dir={temp_dir}",
-        ],
-        env={**os.environ, **CLUSTER_ENV},
-        cwd=temp_dir,  # the run's actors start here: nothing they write by default lands in the repository
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        lines = []
-        for line in head.stdout:
-            lines.append(line)
-            if "Ray runtime started" in line:
-                break
-        else:
-            raise RuntimeError("ray start failed:\n" + "".join(lines))
-        yield address
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def act(address: str, sampler: int, action: str) -> str:
+def act(cluster: RayNodes, sampler: int, action: str) -> str:
     """Kill (``kill``) or hang (``hang``) the rollout server of sampler ``sampler`` (servers in rank order, one
     replica per sampler group) while it is generating; returns the driver's output."""
     script = _DRIVER.format(action=_ACTIONS[action])
     done = subprocess.run(
-        [sys.executable, "-c", script, address, str(sampler), action],
+        [sys.executable, "-c", script, cluster.address, str(sampler), action],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, **CLUSTER_ENV},
+        env={**os.environ, **cluster.env},
     )
     if done.returncode != 0:
         raise RuntimeError(f"chaos driver failed:\n{done.stdout}\n{done.stderr}")
@@ -135,23 +75,41 @@ def act(address: str, sampler: int, action: str) -> str:
 
 
 def hetero_overrides(
-    tiny: dict[str, str], workdir: Path, steps: int, address: str, samplers: int, loss: str = "gepo"
+    tiny: dict[str, str],
+    workdir: Path,
+    steps: int,
+    samplers: int,
+    loss: str = "gepo",
+    learners: int = 2,
+    max_lag: int = 2,
+    strategy: str = "wait",
 ) -> list[str]:
-    """A HeteroRL run with ``samplers`` one-replica sampler groups, joined to the Ray cluster at ``address``."""
+    """A HeteroRL run on separate_async with ``samplers`` one-replica sampler groups, weights synced every step."""
     return [
-        *cpu_run_overrides(tiny, loss=loss, mode="separate_async", steps=steps, output_dir=str(workdir)),
-        "trainer.save_freq=5",
+        *cpu_run_overrides(
+            tiny, loss=loss, mode="separate_async", steps=steps, output_dir=str(workdir), learners=learners
+        ),
         "trainer.v1.separate_async.parameter_sync_step=1",
         "actor_rollout_ref.rollout.nnodes=1",
         f"actor_rollout_ref.rollout.n_gpus_per_node={samplers}",
         "actor_rollout_ref.hybrid_engine=False",
         "hetero.enable=true",
-        "hetero.max_lag=2",
-        "hetero.strategy=wait",
-        f"++ray_kwargs.ray_init.address={address}",
-        "ray_kwargs.ray_init.num_cpus=null",
-        "++ray_kwargs.ray_init.num_gpus=null",
+        f"hetero.max_lag={max_lag}",
+        f"hetero.strategy={strategy}",
     ]
+
+
+#: a weight delay longer than any run: a sampler group with it never receives the learner's weights
+NEVER_S = 1e9
+
+
+def group_delays(*seconds: float | None) -> str:
+    """``hetero.group_delays`` with one entry per sampler group: a constant delay in seconds, or None for none."""
+    entries = [
+        "{distribution: none}" if delay is None else f"{{distribution: constant, seconds: {delay}}}"
+        for delay in seconds
+    ]
+    return f"hetero.group_delays=[{','.join(entries)}]"
 
 
 #: ``hetero.transport`` -> the overrides a run with it needs (``workdir``: the test's folder). Fleet-level end-to-end
@@ -160,44 +118,6 @@ WEIGHT_TRANSPORTS: dict[str, Callable[[Path], list[str]]] = {
     "simulated": lambda workdir: ["hetero.transport=simulated"],
     "relay": lambda workdir: ["hetero.transport=relay", f"hetero.relay.url={workdir / 'relay_store'}"],
 }
-
-
-def start_run(overrides: list[str], workdir: Path) -> tuple[subprocess.Popen, Path, Path]:
-    """Start ``python -m gepo_plugin.main_ppo`` in the background; returns the process, its metrics and log.
-
-    The run's actors start from the cluster's raylet, not from this process, so verl's file logger learns its
-    path through the job's runtime environment."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    metrics, log = workdir / "metrics.jsonl", workdir / "run.log"
-    overrides = [*overrides, f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics}"]
-    env = {**os.environ, **CLUSTER_ENV, "VERL_FILE_LOGGER_PATH": str(metrics), "PYTHONWARNINGS": "ignore"}
-    handle = log.open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gepo_plugin.main_ppo", *overrides],
-        cwd=workdir,
-        env=env,
-        stdout=handle,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    return process, metrics, log
-
-
-def wait_until(process: subprocess.Popen, metrics: Path, done, what: str, timeout_s: float = 600) -> dict[int, dict]:
-    """Block until ``done(metrics by step)`` holds (returns them), or fail if the run ended or took too long."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        logged = read_metrics(metrics)
-        if done(logged):
-            return logged
-        if process.poll() is not None:
-            raise AssertionError(f"the run ended (exit {process.returncode}) before {what}")
-        time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {timeout_s} s")
-
-
-def wait_for_step(process: subprocess.Popen, metrics: Path, step: int, timeout_s: float = 600) -> dict[int, dict]:
-    return wait_until(process, metrics, lambda logged: step in logged, f"step {step}", timeout_s)
 
 
 #: Groups and responses per step (``cpu_run_overrides``' defaults).

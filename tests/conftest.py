@@ -1,5 +1,6 @@
 """Shared fixtures: random GEPO batches with ragged responses and several prompt groups; a real TransferQueue; the
-tiny model and the FSDP2 GEPO run the CPU e2e modules share (``tests/cpu_runs.py``)."""
+tiny model, the Ray cluster the end-to-end runs share, and the FSDP2 GEPO run the CPU e2e modules share
+(``tests/cpu_runs.py``); the end-to-end tier's timing (``tests/e2e_timing.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 from gepo_plugin.synthetic import SyntheticBatch, random_batch
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+pytest_plugins = ["e2e_timing"]
 
 make_batch = random_batch
 
@@ -80,14 +83,21 @@ def tiny(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def fsdp_gepo_sync_run(tiny, tmp_path_factory):
-    """GEPO, sync, 3 steps on verl's FSDP2 actor with deterministic rollouts, checkpoint at step 3 (run once)."""
-    from cpu_runs import gepo_sync_overrides, timed_run
+def shared_cluster():
+    """One Ray node (a learner node, 8 logical GPUs) for the whole session: the end-to-end runs that need no cluster
+    of their own join it, one at a time, instead of each starting and stopping a Ray of its own."""
+    from ray_nodes import ray_nodes
+
+    with ray_nodes(head_gpus=8, worker_gpus=[], head_cpus=32) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def fsdp_gepo_sync_run(tiny, shared_cluster, tmp_path_factory):
+    """The sync FSDP2 scenario (``tests/cpu_runs.py``), run once: test_cpu_e2e's claims and Megatron's reference."""
+    from cpu_runs import M2_MASK, gepo_sync_overrides
+    from trainer_run import complete_run
 
     workdir = tmp_path_factory.mktemp("gepo_sync_fsdp2")
-    overrides = gepo_sync_overrides(tiny, workdir, 3)
-    # the console must hold every line the TaskRunner printed (test_cpu_e2e reads its config back): Ray's log
-    # deduplication holds back lines that match another process's (numbers ignored) and prints them later, folded
-    code, metrics, log = timed_run("fsdp2 sync, 3 steps", overrides, workdir, env={"RAY_DEDUP_LOGS": "0"})
-    assert code == 0, log[-6000:]
-    return {"workdir": workdir, "metrics": metrics, "log": log, "overrides": overrides}
+    overrides = [*gepo_sync_overrides(tiny, workdir, 3), *M2_MASK, *shared_cluster.join_overrides()]
+    return complete_run("fsdp2 sync", overrides, workdir, env=shared_cluster.env)

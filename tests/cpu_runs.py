@@ -8,12 +8,17 @@ under one engine can be compared step for step with the other. Rollouts are dete
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-from gepo_plugin.tiny import cpu_run_overrides, run_cpu_training
+from chaos import NEVER_S, group_delays, hetero_overrides
+
+from gepo_plugin.config_keys import HF_ROLLOUT_LATENCY
+from gepo_plugin.tiny import cpu_run_overrides
 
 PROMPTS, RESPONSES, LEARNERS = 4, 4, 2
+#: GEPO with M2PO's mask at a budget of 0: every harmful token's gradient is zeroed (the FSDP2 run carries it: the
+#: mini-batch pre-pass, the launcher's switch and the cap fields, read by GEPO's loss; Megatron's pre-pass is not run)
+M2_MASK = ("actor_rollout_ref.actor.policy_loss.m2_mask=true", "actor_rollout_ref.actor.policy_loss.m2_budget=0")
 
 
 def valid_gepo_command(paths: dict[str, str]) -> list[str]:
@@ -55,18 +60,23 @@ def gepo_sync_overrides(tiny: dict[str, str], workdir: Path, steps: int, engine:
     ]
 
 
-def timed_run(
-    name: str, overrides: list[str], workdir: Path, env: dict[str, str] | None = None
-) -> tuple[int, dict[int, dict], str]:
-    """:func:`run_cpu_training`, printing the wall time, the start-up (wall minus verl's step times) and s/step."""
-    started = time.perf_counter()
-    code, metrics, log = run_cpu_training(overrides, workdir, env=env)
-    wall = time.perf_counter() - started
-    steps = [m["timing_s/step"] for _, m in sorted(metrics.items()) if "timing_s/step" in m]
-    updates = [m["timing_s/update_actor"] for m in metrics.values() if "timing_s/update_actor" in m]
-    if steps:
-        print(
-            f"\n[timing] {name}: wall {wall:.0f} s, start-up and shutdown {wall - sum(steps):.0f} s, steps "
-            f"{[round(x, 1) for x in steps]} s, update_actor mean {sum(updates) / len(updates):.2f} s"
-        )
-    return code, metrics, log
+MEGATRON = "model_engine=megatron"
+#: the Megatron HeteroRL run's first group gets each version this late (seconds): it installs snapshots of the learner's
+#: Megatron weights; its second group never gets one (the control)
+MEGATRON_DELAY_S = 2
+#: the modelled GPU of the Megatron HeteroRL run's CPU rollout (fast enough not to slow it): hetero.json records it
+MODELLED_GPU = {"decode_tokens_per_s": 4000, "prefill_s": 0.01}
+
+
+def megatron_hetero_overrides(tiny: dict[str, str], workdir: Path, steps: int) -> list[str]:
+    """HeteroRL on separate_async with the Megatron learner: group 0's weights MEGATRON_DELAY_S late, group 1's never
+    (``max_lag`` above the run's length, so its rollouts stay trainable); a checkpoint at the last step. What
+    ``tests/test_cpu_megatron_e2e.py`` runs and ``bench/bench_tiny_learning.py`` measured over seeds."""
+    latency = ", ".join(f"{key}: {value}" for key, value in MODELLED_GPU.items())
+    return [
+        *hetero_overrides(tiny, workdir, steps, samplers=2, learners=1, max_lag=steps + 1),
+        MEGATRON,
+        f"trainer.save_freq={steps}",
+        group_delays(MEGATRON_DELAY_S, NEVER_S),
+        f"+{HF_ROLLOUT_LATENCY}={{{latency}}}",
+    ]

@@ -2,7 +2,10 @@
 start_worker.sh, CPU mode: ``NUM_GPUS`` logical GPUs), each in its own session so one node can be killed whole.
 
 Each node gets its own agent and metrics ports (two raylets on one host would otherwise collide on the defaults).
-The run and the test's drivers join with :data:`chaos.CLUSTER_ENV` (the cluster's auth token).
+Ray authenticates the clients of a cluster started with ``ray start``: the run and the test's drivers join with the
+cluster's own environment (:attr:`RayNodes.env`, its token). A one-node cluster is also what the end-to-end runs that
+need no node of their own share for the whole test session (``conftest.py``'s ``shared_cluster``): each run joins it
+instead of starting and stopping a Ray of its own.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -20,7 +24,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from chaos import CLUSTER_ENV, new_cluster_token
 from free_ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,17 +80,25 @@ def _started(process: subprocess.Popen, script: str) -> None:
     raise RuntimeError(f"{script} failed:\n" + "".join(lines))
 
 
+def cluster_token_env() -> dict[str, str]:
+    """The environment of every process that joins a cluster started with ``ray start``: a new token of its own."""
+    return {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+
+
 class RayNodes:
-    """A running cluster of :class:`Node` s: its address, its nodes by name, and a way to add a worker node."""
+    """A running cluster of :class:`Node` s: its address, its nodes by name, the environment a client joins it with,
+    and a way to add a worker node."""
 
     def __init__(self, temp_dir: str) -> None:
         self.temp_dir = temp_dir
         self.address = f"{HEAD_IP}:{free_port()}"
         self.nodes: dict[str, Node] = {}
         self._workers_started = 0  # each worker node gets its own address, 127.0.0.2, 127.0.0.3, ...
+        #: what a run or a driver joining this cluster adds to its environment (the cluster's token)
+        self.env = cluster_token_env()
         self.base = {
             **os.environ,
-            **CLUSTER_ENV,
+            **self.env,
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
             "NODE_IP": HEAD_IP,
             "RAY_BLOCK": "1",
@@ -107,6 +118,15 @@ class RayNodes:
         process = _launch("start_head.sh", env, self.temp_dir)
         _started(process, "start_head.sh")
         self.nodes["head"] = Node("head", process, gpus, HEAD_IP)
+
+    def join_overrides(self) -> list[str]:
+        """What a run's command line adds to join this cluster (its resources are the cluster's, not declared)."""
+        return [
+            f"++ray_kwargs.ray_init.address={self.address}",
+            f"++ray_kwargs.ray_init._node_ip_address={HEAD_IP}",
+            "ray_kwargs.ray_init.num_cpus=null",
+            "++ray_kwargs.ray_init.num_gpus=null",
+        ]
 
     def add_workers(self, worker_gpus: list[int]) -> None:
         """Sampler nodes (``gpus`` logical GPUs each: room for one rollout bundle per GPU), started one at a time (two
@@ -129,7 +149,7 @@ class RayNodes:
             started.append(node)
             _started(node.process, "start_worker.sh")
         running = [node for node in self.nodes.values() if node.process.poll() is None]
-        settled = _driver(_SETTLE, self.address, str(len(running)))
+        settled = _driver(_SETTLE, self, str(len(running)))
         for node in running:
             node.node_id = settled["ids"][node.ip]
 
@@ -170,7 +190,6 @@ def ray_nodes(head_gpus: int, worker_gpus: list[int], head_cpus: int = 64) -> It
     entry of ``worker_gpus`` (``worker0``, ...), started with the examples' scripts as a deployment would; nothing
     else is arranged: where verl's own services go is the plugin's business (hetero.learner_resource)."""
     temp_dir = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    new_cluster_token()
     cluster = RayNodes(temp_dir)
     try:
         cluster.start_head(head_gpus, head_cpus)
@@ -199,19 +218,21 @@ print(json.dumps({"ids": {n["NodeManagerAddress"]: n["NodeID"] for n in ray.node
 """
 
 
-def _driver(script: str, address: str, *args: str) -> object:
+def _driver(script: str, cluster: RayNodes, *args: str) -> object:
     """Run ``script`` in a short-lived driver joined to the cluster; its last line of output, as JSON."""
-    env = {**os.environ, **CLUSTER_ENV}  # the cluster's token, set when it started
-    done = subprocess.run([sys.executable, "-c", script, address, *args], capture_output=True, text=True, env=env)
+    env = {**os.environ, **cluster.env}
+    done = subprocess.run(
+        [sys.executable, "-c", script, cluster.address, *args], capture_output=True, text=True, env=env
+    )
     if done.returncode != 0:
         raise RuntimeError(done.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def actors_by_node(address: str) -> dict[str, list[str]]:
+def actors_by_node(cluster: RayNodes) -> dict[str, list[str]]:
     """The live actors on each node (their names, or class names), by Ray node id, from Ray's GCS actor table (read
     without loading the actors' classes, so in a second or two)."""
     out: dict[str, list[str]] = {}
-    for name, node_id in _driver(_ACTORS, address):
+    for name, node_id in _driver(_ACTORS, cluster):
         out.setdefault(node_id, []).append(name)
     return out

@@ -1,7 +1,9 @@
 """verl's REAL V1 PPO trainer, end to end on CPU, with the plugin (tiny model, real Ray/TransferQueue).
 
-Each run starts Ray, verl's FSDP2 workers over gloo, the transformers rollout and TransferQueue
-(about 1.5-2 minutes on 2 cores), so runs are few and each checks several things.
+One run (``conftest.fsdp_gepo_sync_run``: GEPO in sync mode, 3 steps, two FSDP2 learners over gloo, the transformers
+rollout, deterministic rollouts, M2PO's mask at a budget of 0, a checkpoint at step 3) checks every claim below; its
+step 1 is also the reference of the Megatron run (``tests/test_cpu_megatron_e2e.py``). A run costs about 45 s of
+start-up on 2 cores and half a second a step, so claims share runs.
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ def gepo_sync_run(fsdp_gepo_sync_run):
     return fsdp_gepo_sync_run
 
 
+@pytest.fixture(scope="module")
+def metrics(gepo_sync_run) -> dict[int, dict]:
+    return gepo_sync_run.metrics
+
+
 def _finite(value) -> bool:
     return value is not None and math.isfinite(float(value))
 
 
-def test_gepo_sync_trains_with_the_group_term(gepo_sync_run, tiny):
-    metrics = gepo_sync_run["metrics"]
+def test_gepo_sync_trains_with_the_group_term(metrics):
     assert sorted(metrics) == [1, 2, 3]
     for step, m in metrics.items():
         assert _finite(m["actor/pg_loss"]) and _finite(m["actor/grad_norm"]), step
@@ -52,8 +58,8 @@ def test_gepo_sync_trains_with_the_group_term(gepo_sync_run, tiny):
 def test_gepo_sync_changes_the_actor_weights_and_saves_a_checkpoint(gepo_sync_run, tiny):
     from safetensors.torch import load_file
 
-    step_dir = Path(gepo_sync_run["workdir"]) / "checkpoints" / "global_step_3" / "actor"
-    assert step_dir.is_dir(), list((Path(gepo_sync_run["workdir"]) / "checkpoints").glob("*"))
+    step_dir = gepo_sync_run.workdir / "checkpoints" / "global_step_3" / "actor"
+    assert step_dir.is_dir(), list((gepo_sync_run.workdir / "checkpoints").glob("*"))
     trained = {}
     for shard in sorted((step_dir / "huggingface").glob("*.safetensors")):
         trained.update(load_file(shard))
@@ -88,10 +94,9 @@ def _task_runner_config(log: str) -> dict:
 def test_cfg_job_prints_exactly_the_config_verls_trainer_received(gepo_sync_run):
     """What ``--cfg job --resolve`` prints for a command line is what verl's TaskRunner received when the same
     command line ran (the TaskRunner only switches TransferQueue on, as it does for every run)."""
-    overrides = gepo_sync_run["overrides"]
     printed = subprocess.run(
-        [sys.executable, "-m", "gepo_plugin.main_ppo", *overrides, "--cfg", "job", "--resolve"],
-        cwd=gepo_sync_run["workdir"],
+        [sys.executable, "-m", "gepo_plugin.main_ppo", *gepo_sync_run.overrides, "--cfg", "job", "--resolve"],
+        cwd=gepo_sync_run.workdir,
         capture_output=True,
         text=True,
         timeout=300,
@@ -99,8 +104,20 @@ def test_cfg_job_prints_exactly_the_config_verls_trainer_received(gepo_sync_run)
     )
     assert printed.returncode == 0, printed.stderr[-3000:]
     shown = yaml.safe_load(printed.stdout)
-    received = _task_runner_config(gepo_sync_run["log"])
+    received = _task_runner_config(gepo_sync_run.log)
     shown["transfer_queue"]["enable"] = True
     assert shown == received
     assert received["trainer"]["v1"]["trainer_mode"] == "gepo_sync"  # the preset's part, not only the user's
     assert received["actor_rollout_ref"]["actor"]["policy_loss"]["loss_mode"] == "gepo"
+
+
+def test_gepo_with_m2pos_mask_reads_the_cap_measured_over_each_mini_batch(metrics):
+    """GEPO with ``policy_loss.m2_mask=true``: without the launcher's switch or the patch in the learner processes the
+    loss would stop at its first micro-batch (the cap missing); the cap is measured over each whole mini-batch, which
+    verl then splits over two learners and two-row micro-batches, and at a budget of 0 every harmful token is masked."""
+    for step, m in metrics.items():
+        for key in ("m2", "m2_after", "cap_binds", "harmful_tokens", "masked_frac"):
+            assert _finite(m[f"actor/m2po/{key}"]), (step, key)
+        # the mini-batch's count, the same in every micro-batch of both learners (a micro-batch's own is smaller)
+        assert m["actor/m2po/harmful_tokens"] == int(m["actor/m2po/harmful_tokens"]) > 0, step
+        assert m["actor/m2po/cap_binds"] == 1.0 and m["actor/m2po/masked_frac"] > 0, step

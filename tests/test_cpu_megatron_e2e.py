@@ -2,7 +2,13 @@
 
 megatron-core 0.16.1 and mbridge 0.15.1 (the ``[megatron-cpu]`` extra), one Megatron rank per data-parallel
 worker over gloo, the transformers rollout, real Ray and TransferQueue. Marked ``megatron`` (and ``e2e``):
-``-m "not megatron"`` skips them. Their durations on the 2-core machine are in the README's Tests section.
+``-m "not megatron"`` skips them. Two scenarios, each run once for every claim of its tests:
+
+* **sync**: GEPO for 3 steps with a checkpoint, then a resume that trains step 4; its step 1 is compared with the
+  FSDP2 run's (``conftest.fsdp_gepo_sync_run``) on the same model, data and deterministic rollouts;
+* **HeteroRL**: separate_async with a Megatron learner and two sampler groups, the first's weights 2 s late (it
+  installs the learner's Megatron snapshots), the second's never (a control: its reward stays at chance while the
+  first group's climbs, and the learner, trained on both, learns).
 """
 
 from __future__ import annotations
@@ -13,14 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from cpu_runs import PROMPTS, RESPONSES, gepo_sync_overrides, timed_run
-
-from gepo_plugin.config_keys import HF_ROLLOUT_LATENCY
-from gepo_plugin.tiny import cpu_run_overrides, run_cpu_training
+from chaos import check_every_step
+from cpu_runs import MEGATRON, MODELLED_GPU, PROMPTS, RESPONSES, gepo_sync_overrides, megatron_hetero_overrides
+from learning import STEPS_TO_LEARN, assert_does_not_learn, assert_learns
+from trainer_run import complete_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.megatron]
-
-MEGATRON = "model_engine=megatron"
 
 
 def _finite(value) -> bool:
@@ -28,13 +32,19 @@ def _finite(value) -> bool:
 
 
 @pytest.fixture(scope="module")
-def megatron_sync_run(tiny, tmp_path_factory):
-    """GEPO, sync, 3 steps on the Megatron actor, checkpoint (with an HF copy) at step 3."""
+def megatron_sync_run(tiny, shared_cluster, tmp_path_factory):
+    """GEPO, sync, 3 steps on the Megatron actor, checkpoint (with an HF copy) at step 3; then a resume to step 4."""
     workdir = tmp_path_factory.mktemp("megatron_sync")
-    overrides = gepo_sync_overrides(tiny, workdir, 3, [MEGATRON])
-    code, metrics, log = timed_run("megatron sync, 3 steps", overrides, workdir)
-    assert code == 0, log[-6000:]
-    return {"workdir": workdir, "metrics": metrics, "log": log, "overrides": overrides}
+    overrides = [*gepo_sync_overrides(tiny, workdir, 3, [MEGATRON]), *shared_cluster.join_overrides()]
+    first = complete_run("megatron sync", overrides, workdir, env=shared_cluster.env)
+    resumed = [o for o in overrides if not o.startswith("trainer.total_training_steps")]
+    resume = complete_run(
+        "megatron sync, resumed",
+        [*resumed, "trainer.total_training_steps=4", "trainer.resume_mode=auto"],
+        workdir / "resume",
+        env=shared_cluster.env,
+    )
+    return {"workdir": workdir, "metrics": first.metrics, "log": first.log, "resume": resume}
 
 
 def test_gepo_trains_on_the_megatron_actor_with_the_group_term(megatron_sync_run):
@@ -70,11 +80,8 @@ def test_the_megatron_actor_weights_change_and_the_checkpoint_resumes_at_the_nex
     change = sum(float((trained[k].float() - initial[k].float()).abs().sum()) for k in common)
     assert change > 0, "the Megatron actor's weights did not change over 3 steps"
 
-    overrides = [o for o in megatron_sync_run["overrides"] if not o.startswith("trainer.total_training_steps")]
-    code, metrics, log = run_cpu_training(
-        [*overrides, "trainer.total_training_steps=4", "trainer.resume_mode=auto"], workdir / "resume"
-    )
-    assert code == 0, log[-6000:]
+    resume = megatron_sync_run["resume"]
+    metrics, log = resume.metrics, resume.log
     assert sorted(metrics) == [4], "the resumed run must train exactly step 4"
     assert metrics[4]["actor/gepo/group_term_present"] == 1.0 and _finite(metrics[4]["actor/pg_loss"])
     assert "global_step_3" in log
@@ -93,7 +100,7 @@ def test_fsdp2_and_megatron_agree_on_step_one(megatron_sync_run, fsdp_gepo_sync_
     length-normalised log-ratios, and ``iw_mean``/``ess`` (near 1), differ by about 1e-3. Tolerance 5e-3 for them,
     500 times the group term's: measured 4e-4 (iw_mean) and 7e-4 (ess).
     """
-    megatron, reference = megatron_sync_run["metrics"][1], fsdp_gepo_sync_run["metrics"][1]
+    megatron, reference = megatron_sync_run["metrics"][1], fsdp_gepo_sync_run.metrics[1]
     for key in ("critic/score/mean", "response_length/mean", "gepo/num_groups", "gepo/group_size_mean"):
         assert megatron[key] == reference[key], (key, megatron[key], reference[key])  # the same rollouts
     key = "gepo/log_group_expectation_mean"
@@ -104,43 +111,53 @@ def test_fsdp2_and_megatron_agree_on_step_one(megatron_sync_run, fsdp_gepo_sync_
     print({key: (megatron[key], reference[key]) for key in ("actor/gepo/iw_mean", "actor/gepo/ess", "actor/pg_loss")})
 
 
-HETERO_MAX_LAG = 2
+#: above the run's length: the frozen group's rollouts stay trainable, so its reward is measured at every step
+HETERO_MAX_LAG = STEPS_TO_LEARN + 1
+LIVE, FROZEN = "hetero/sampler_group_0/", "hetero/sampler_group_1/"
 
 
-def test_hetero_separate_async_with_a_megatron_learner_and_a_delayed_sampler(tiny, tmp_path):
-    """Two samplers (group 1's weights 8 s late) and a Megatron learner in verl's separate_async trainer."""
-    overrides = cpu_run_overrides(
-        tiny, loss="gepo", mode="separate_async", steps=4, output_dir=str(tmp_path), save_freq=4
-    )
-    overrides += [
-        MEGATRON,
-        "trainer.v1.separate_async.parameter_sync_step=1",
-        "actor_rollout_ref.rollout.nnodes=1",
-        "actor_rollout_ref.rollout.n_gpus_per_node=2",
-        "hetero.enable=true",
-        f"hetero.max_lag={HETERO_MAX_LAG}",
-        "hetero.strategy=wait",
-        "hetero.group_delays=[{distribution: none},{distribution: constant, seconds: 8}]",
-        # a modelled GPU for the CPU rollout (fast enough not to slow the test): hetero.json must record it
-        f"+{HF_ROLLOUT_LATENCY}={{decode_tokens_per_s: 4000, prefill_s: 0.01}}",
-    ]
-    code, metrics, log = timed_run("megatron hetero separate_async, 4 steps", overrides, tmp_path / "run")
-    assert code == 0, log[-6000:]
-    assert sorted(metrics) == [1, 2, 3, 4]
+@pytest.fixture(scope="module")
+def hetero_run(tiny, shared_cluster, tmp_path_factory):
+    """HeteroRL on separate_async with the Megatron learner (``cpu_runs.megatron_hetero_overrides``): group 0
+    receives each version 2 s late, group 1 never; STEPS_TO_LEARN steps, checkpoint at the last."""
+    workdir = tmp_path_factory.mktemp("megatron_hetero")
+    overrides = [*megatron_hetero_overrides(tiny, workdir, STEPS_TO_LEARN), *shared_cluster.join_overrides()]
+    return complete_run("megatron hetero", overrides, workdir / "run", env=shared_cluster.env)
+
+
+def test_hetero_separate_async_with_a_megatron_learner_keeps_its_books_and_installs_megatron_snapshots(hetero_run):
+    metrics, log = hetero_run.metrics, hetero_run.log
+    assert sorted(metrics) == list(range(1, STEPS_TO_LEARN + 1))
     assert "'strategy': 'megatron'" in log and "HeteroReplayBuffer" in log
     # the delayed group's weights come from the learner's Megatron snapshots (verl's save_model_to_cpu with the
     # megatron strategy calls copy_megatron_model_to_cpu, which runs through this patch on the CPU)
     assert "megatron_snapshots" in log
+    check_every_step(metrics, HETERO_MAX_LAG)
     for step, m in metrics.items():
-        assert m["hetero/lag/max"] <= HETERO_MAX_LAG, (step, m["hetero/lag/max"])
-        assert m["hetero/produced"] == m["hetero/trained"] + m["hetero/dropped"] + m["hetero/queued"], m
         assert m["hetero/trained"] == PROMPTS * step
         assert m["actor/gepo/group_term_present"] == 1.0 and _finite(m["actor/pg_loss"])
-        assert m["hetero/sampler_group_0/weight_version"] == step
-    versions = {step: m["hetero/sampler_group_1/weight_version"] for step, m in metrics.items()}
-    assert any(version < step for step, version in versions.items()), versions  # it lags ...
-    assert max(versions.values()) >= 1, versions  # ... and installs delayed snapshots
-    assert sum(m.get("hetero/sampler_group_1/trained_trajectories", 0) for m in metrics.values()) > 0
-    state = json.loads((tmp_path / "checkpoints" / "global_step_4" / "hetero.json").read_text())
-    assert state["replay_buffer"]["ledger"]["trained"] == metrics[4]["hetero/trained"]
-    assert state["rollout_latency"] == {"decode_tokens_per_s": 4000, "prefill_s": 0.01}
+        assert m[f"{FROZEN}weight_version"] == 0, step  # never installs a version
+    versions = {step: m[f"{LIVE}weight_version"] for step, m in metrics.items()}
+    assert any(version < step - 1 for step, version in versions.items()), versions  # it lags behind ...
+    assert max(versions.values()) >= STEPS_TO_LEARN // 2, versions  # ... and installs delayed snapshots
+    assert max(m["hetero/lag/max"] for m in metrics.values()) >= STEPS_TO_LEARN // 2  # the frozen group's lag grew
+    state = json.loads(
+        (hetero_run.workdir.parent / "checkpoints" / f"global_step_{STEPS_TO_LEARN}" / "hetero.json").read_text()
+    )
+    assert state["replay_buffer"]["ledger"]["trained"] == metrics[STEPS_TO_LEARN]["hetero/trained"]
+    assert state["rollout_latency"] == MODELLED_GPU
+
+
+def test_the_megatron_learner_learns_from_a_delayed_sampler(hetero_run):
+    """The group that receives the weights (2 s late, up to two versions behind) climbs from chance; so does the
+    trained batch as a whole (half of it from the frozen group, weighted by GEPO)."""
+    assert_learns(hetero_run.metrics, f"{LIVE}reward_mean")
+
+
+def test_a_sampler_that_never_receives_the_weights_stays_at_chance_while_the_learner_moves(hetero_run):
+    """The control: the frozen group generates with the initial weights for the whole run, so its reward does not
+    rise, while the learner's loss is that of a model that changes (non-zero gradients, the live group climbing)."""
+    metrics = hetero_run.metrics
+    assert_does_not_learn(metrics, f"{FROZEN}reward_mean")
+    assert all(m["actor/grad_norm"] > 0 for m in metrics.values())
+    assert sum(m.get(f"{FROZEN}trained_trajectories", 0) for m in metrics.values()) > 0  # it was trained on

@@ -204,13 +204,19 @@ def test_m2po_clips_only_stale_batches(tmp_path: Path) -> None:
 
 def test_verls_rollout_correction_weighs_only_what_the_sampler_got_wrong(tmp_path: Path) -> None:
     """verl's decoupled sequence-level truncated IS, computed by verl's function on the lab's batches: on-policy the
-    sampler's log-probs are the learner's, so every weight is 1; stale, they are not."""
+    sampler's log-probs are the learner's, so every weight is 1 to float32 rounding; stale, they are not.
+
+    The sampler's log-probs come from its own forwards (one per position, the last logits only) and the learner's
+    from one forward of the whole response: the same weights, other kernels, so a token's log-probs differ by float32
+    rounding (measured: 2.4e-6 at most) and a sequence's weight, the exponential of at most 3 of them, by about 1e-5
+    at most. The weights' extremes say so; verl's ``rollout_is_std`` cannot: it is sqrt(E[w^2] - E[w]^2) in float32,
+    whose cancellation leaves 0 or about sqrt(1e-9) = 4e-5 on weights within 1e-6 of 1, by the rounding of the day."""
     summary = run_lab(
         tmp_path, methods=["grpo"], lags=[0, 8], rl_steps=8, eval_every=8, rollout_correction="decoupled_seq_is"
     )
     weights = {run["max_lag"]: run["rollout_correction"] for run in summary["runs"]}
-    assert weights[0]["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-6)
-    assert weights[0]["rollout_corr/rollout_is_std"] == pytest.approx(0.0, abs=1e-6)
+    assert weights[0]["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert 1 - 1e-5 < weights[0]["rollout_corr/rollout_is_min"] <= weights[0]["rollout_corr/rollout_is_max"] < 1 + 1e-5
     assert weights[8]["rollout_corr/rollout_is_std"] > 0.03  # 0.12 when measured
     assert weights[8]["rollout_corr/rollout_is_max"] <= 2.0  # verl's truncation at its preset's threshold
     assert summary["config"]["rollout_correction"] == "decoupled_seq_is"

@@ -13,8 +13,8 @@ publishes a new version.
 from __future__ import annotations
 
 import importlib.util
+import os
 import secrets
-import time
 
 import pytest
 import torch
@@ -112,75 +112,22 @@ def generate(remote, prompt: list[int], max_tokens: int = 6):
     return ray.get(proxy.generate.remote(prompt, params, request_id=secrets.token_hex(4)), timeout=120)
 
 
-def test_a_remote_sampler_generates_with_the_version_it_names_and_follows_the_learner(
-    tiny, cluster, tmp_path, monkeypatch
-):
-    from gepo_plugin.verl_glue.hetero.remote.members import RemoteSamplers
-
-    private, public = generate_pair()
-    token = cluster
-    monkeypatch.setenv("GEPO_TEST_SIGNING_KEY", private)
-    prompt = [5, 9, 12, 7, 3]
-    with s3_server() as (url, options):
-        hetero = settings(url, options, public, free_port(), poll_wait_s=2.0)
-        relay = hetero.relay
-        publisher = RelayPublisher(open_store(relay), RUN, relay, signer=Signer(private))
-        base = weights_of(tiny)
-        publisher.publish(0, base)
-        publisher.wait()
-        hello = {"run_id": RUN, "relay_url": url, "first_version": 0, "learner_version": 0}
-        remote = RemoteSamplers(hetero, 0, VersionWindow(first=0, latest=0), 256, 8, hello, 100_000)
-        host, log = start_host(remote.url, "far", token, public, tiny["model"], url, options, tmp_path)
-        try:
-            wait_for(lambda: held_version(remote) == 0, "the host installing version 0", 600)
-            assert_no_ray(host.pid)
-            assert _report(remote)["status"]["dtype"] == "float32"  # read from vLLM: the audit's threshold needs it
-            out = generate(remote, prompt)
-            assert out.extra_fields == {"global_steps": 0} and out.stop_reason == "completed"
-            assert 0 < len(out.token_ids) == len(out.log_probs) <= 6
-            gap = (torch.tensor(out.log_probs) - reference_logprobs(tiny, base, prompt, out.token_ids)).abs().max()
-            assert gap < FP32_GAP, gap
-
-            # the learner publishes version 1 (every weight moved): the host pulls, verifies and installs it
-            torch.manual_seed(1)
-            moved = {name: tensor + 0.05 * torch.randn_like(tensor) for name, tensor in base.items()}
-            moved["lm_head.weight"] = moved["model.embed_tokens.weight"]
-            publisher.publish(1, moved)
-            publisher.wait()
-            remote.set_window(0, 1)
-            wait_for(lambda: held_version(remote) == 1, "the host installing version 1", 120)
-            out = generate(remote, prompt)
-            assert out.extra_fields == {"global_steps": 1}
-            new_gap = (torch.tensor(out.log_probs) - reference_logprobs(tiny, moved, prompt, out.token_ids)).abs()
-            old_gap = (torch.tensor(out.log_probs) - reference_logprobs(tiny, base, prompt, out.token_ids)).abs()
-            assert new_gap.max() < FP32_GAP < old_gap.max(), (new_gap.max(), old_gap.max())
-
-            # killed: the proxy calls it dead (what the health monitor reads) once it has been silent for the
-            # gateway's timeout after its last call, a long poll it may have held until poll_wait_s
-            stop(host, timeout_s=1)
-            started = time.monotonic()
-            wait_for(lambda: held_version(remote) is None or _dead(remote), "the sampler declared dead", 30)
-            gateway = hetero.config.gateway
-            assert time.monotonic() - started <= gateway.poll_wait_s + gateway.sampler_timeout_s + 2
-        finally:
-            stop(host)
-            publisher.close()
-        text = log.read_text()
-        assert "installed weight version 1" in text, text[-3000:]
-
-
-def assert_no_ray(pid: int) -> None:
-    """Nothing of Ray on the sampler host: no Ray process among its descendants, no Ray variable in its environment."""
+def ray_in(pid: int) -> list[str]:
+    """What of Ray runs on the sampler host: Ray processes among its descendants, Ray variables in their environment
+    (empty: nothing)."""
     from pathlib import Path
 
     from remote_hosts import children
 
+    found = []
     for process in [pid, *children(pid)]:
         command = Path(f"/proc/{process}/cmdline").read_bytes().replace(b"\0", b" ")
-        assert b"ray::" not in command and b"raylet" not in command and b"gcs_server" not in command, command
+        if b"ray::" in command or b"raylet" in command or b"gcs_server" in command:
+            found.append(command.decode(errors="replace"))
         environment = Path(f"/proc/{process}/environ").read_bytes().split(b"\0")
         # (importing Ray's library, as vLLM does where it is installed, sets RAY_CLIENT_MODE=0 for its children)
-        assert not [v for v in environment if v.startswith(b"RAY_") and v != b"RAY_CLIENT_MODE=0"], (process, command)
+        found += [v.decode() for v in environment if v.startswith(b"RAY_") and v != b"RAY_CLIENT_MODE=0"]
+    return found
 
 
 def _report(remote) -> dict:
@@ -193,50 +140,106 @@ def _dead(remote) -> bool:
     return _report(remote)["dead"] is not None
 
 
-def test_a_host_that_cannot_read_its_store_says_so_and_is_declared_dead(tiny, cluster, tmp_path, monkeypatch):
-    """Its store unreachable past the outage budget while the learner publishes (as when its credentials stop
-    working): the host reports the error with its status, and the learner's side calls it dead (the fleet retires
-    it); it keeps the version it held and takes no work."""
+@pytest.fixture(scope="module")
+def host_run(tiny, cluster, tmp_path_factory):
+    """One host (vLLM started by ``python -m gepo_plugin sampler``), the learner's side as a run has it, and what
+    happened: it installs version 0 and generates, the learner publishes version 1 and it follows, then its way to the
+    store is cut while the learner publishes version 2, past its outage budget."""
     from gepo_plugin.verl_glue.hetero.remote.members import RemoteSamplers
 
+    tmp_path = tmp_path_factory.mktemp("remote_sampler")
     private, public = generate_pair()
-    monkeypatch.setenv("GEPO_TEST_SIGNING_KEY", private)
-    with s3_server() as (url, options):
-        hetero = settings(url, options, public, free_port(), poll_wait_s=2.0)
-        publisher = RelayPublisher(open_store(hetero.relay), RUN, hetero.relay, signer=Signer(private))
-        base = weights_of(tiny)
-        publisher.publish(0, base)
-        publisher.wait()
-        hello = {"run_id": RUN, "relay_url": url, "first_version": 0, "learner_version": 0}
-        remote = RemoteSamplers(hetero, 0, VersionWindow(first=0, latest=0), 256, 8, hello, 100_000)
-        store_link = OutageProxy.in_front_of(options["client_kwargs"]["endpoint_url"])  # the host's way to the store
-        host_options = {
-            **options,
-            "client_kwargs": {"endpoint_url": store_link.endpoint},
-            # one attempt per call (botocore retries a refused connection itself, ~10 s per call by default)
-            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
-        }
-        host, log = start_host(
-            remote.url, "far", cluster, public, tiny["model"], url, host_options, tmp_path,
-            extra=["--outage-s", str(OUTAGE_S)],
-        )  # fmt: skip
-        try:
-            wait_for(lambda: held_version(remote) == 0, "the host installing version 0", 600)
-            assert not _dead(remote)
-            store_link.cut()
-            publisher.publish(1, {name: tensor * 1.01 for name, tensor in base.items()})
+    saved = os.environ.get("GEPO_TEST_SIGNING_KEY")
+    os.environ["GEPO_TEST_SIGNING_KEY"] = private
+    prompt, seen = [5, 9, 12, 7, 3], {}
+    try:
+        with s3_server() as (url, options):
+            hetero = settings(url, options, public, free_port(), poll_wait_s=2.0)
+            relay = hetero.relay
+            publisher = RelayPublisher(open_store(relay), RUN, relay, signer=Signer(private))
+            base = weights_of(tiny)
+            publisher.publish(0, base)
             publisher.wait()
-            remote.set_window(0, 1)
-            wait_for(lambda: _dead(remote), "the sampler without its store declared dead", OUTAGE_S + 60)
-            report = _report(remote)
-            assert report["status"]["error"].startswith("the store:"), report
-            assert report["status"]["version"] == 0 and report["dead"] == report["status"]["error"], report
-            assert host.poll() is None  # alive, saying why it takes no work
-        finally:
-            stop(host)
-            publisher.close()
-            store_link.close()
-    assert "(failing for" in log.read_text() and "--outage-s); it takes no work until restarted" in log.read_text()
+            hello = {"run_id": RUN, "relay_url": url, "first_version": 0, "learner_version": 0}
+            remote = RemoteSamplers(hetero, 0, VersionWindow(first=0, latest=0), 256, 8, hello, 100_000)
+            store_link = OutageProxy.in_front_of(options["client_kwargs"]["endpoint_url"])  # the host's way to it
+            host_options = {
+                **options,
+                "client_kwargs": {"endpoint_url": store_link.endpoint},
+                # one attempt per call (botocore retries a refused connection itself, ~10 s per call by default)
+                "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
+            }
+            host, log = start_host(
+                remote.url, "far", cluster, public, tiny["model"], url, host_options, tmp_path,
+                extra=["--outage-s", str(OUTAGE_S)],
+            )  # fmt: skip
+            try:
+                wait_for(lambda: held_version(remote) == 0, "the host installing version 0", 600)
+                seen["ray"] = ray_in(host.pid)
+                seen["dtype"] = _report(remote)["status"]["dtype"]
+                seen["v0"] = generate(remote, prompt)
+                # the learner publishes version 1 (every weight moved): the host pulls, verifies and installs it
+                torch.manual_seed(1)
+                moved = {name: tensor + 0.05 * torch.randn_like(tensor) for name, tensor in base.items()}
+                moved["lm_head.weight"] = moved["model.embed_tokens.weight"]
+                publisher.publish(1, moved)
+                publisher.wait()
+                remote.set_window(0, 1)
+                wait_for(lambda: held_version(remote) == 1, "the host installing version 1", 120)
+                seen["v1"] = generate(remote, prompt)
+                seen["dead_before_cut"] = _dead(remote)
+                # its store unreachable past the outage budget while the learner publishes version 2
+                store_link.cut()
+                publisher.publish(2, {name: tensor * 1.01 for name, tensor in moved.items()})
+                publisher.wait()
+                remote.set_window(0, 2)
+                wait_for(lambda: _dead(remote), "the sampler without its store declared dead", OUTAGE_S + 60)
+                seen["report"] = _report(remote)
+                seen["alive"] = host.poll() is None
+            finally:
+                stop(host)
+                publisher.close()
+                store_link.close()
+    finally:
+        if saved is None:
+            os.environ.pop("GEPO_TEST_SIGNING_KEY", None)
+        else:
+            os.environ["GEPO_TEST_SIGNING_KEY"] = saved
+    return {"seen": seen, "log": log.read_text(), "base": base, "moved": moved, "prompt": prompt}
+
+
+def test_a_host_runs_no_ray_and_reports_the_dtype_vllm_serves(host_run):
+    assert host_run["seen"]["ray"] == []
+    assert host_run["seen"]["dtype"] == "float32"  # read from vLLM: the audit's threshold needs it
+
+
+def test_a_remote_sampler_generates_with_the_version_it_names_and_follows_the_learner(host_run, tiny):
+    seen, prompt, base, moved = host_run["seen"], host_run["prompt"], host_run["base"], host_run["moved"]
+    out = seen["v0"]
+    assert out.extra_fields == {"global_steps": 0} and out.stop_reason == "completed"
+    assert 0 < len(out.token_ids) == len(out.log_probs) <= 6
+    gap = (torch.tensor(out.log_probs) - reference_logprobs(tiny, base, prompt, out.token_ids)).abs().max()
+    assert gap < FP32_GAP, gap
+    out = seen["v1"]
+    assert out.extra_fields == {"global_steps": 1}
+    new_gap = (torch.tensor(out.log_probs) - reference_logprobs(tiny, moved, prompt, out.token_ids)).abs()
+    old_gap = (torch.tensor(out.log_probs) - reference_logprobs(tiny, base, prompt, out.token_ids)).abs()
+    assert new_gap.max() < FP32_GAP < old_gap.max(), (new_gap.max(), old_gap.max())
+    assert "installed weight version 1" in host_run["log"], host_run["log"][-3000:]
+
+
+def test_a_host_that_cannot_read_its_store_says_so_and_is_declared_dead(host_run):
+    """Its store unreachable past the outage budget while the learner publishes (as when its credentials stop
+    working): the host reports the error with its status, and the learner's side calls it dead (the fleet retires
+    it); it keeps the version it held and takes no work. (A host that goes silent is declared dead within the
+    gateway's timeout: the killed sampler of ``tests/test_remote_e2e.py``.)"""
+    seen, log = host_run["seen"], host_run["log"]
+    assert not seen["dead_before_cut"]
+    report = seen["report"]
+    assert report["status"]["error"].startswith("the store:"), report
+    assert report["status"]["version"] == 1 and report["dead"] == report["status"]["error"], report
+    assert seen["alive"]  # alive, saying why it takes no work
+    assert "(failing for" in log and "--outage-s); it takes no work until restarted" in log
 
 
 def test_a_host_with_a_wrong_token_is_refused_and_stops(tiny, cluster, tmp_path, monkeypatch):

@@ -33,7 +33,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from chaos import CLUSTER_ENV, check_every_step, new_cluster_token
+from chaos import check_every_step
+from ray_nodes import cluster_token_env
 
 from gepo_plugin.hetero.relay.signing import generate_pair
 from gepo_plugin.names import CPU_ROLLOUT
@@ -97,10 +98,9 @@ def cpu_overrides(tiny: dict[str, str], metrics: Path) -> list[str]:
 def job_env(slurm: dict[str, str], tiny: dict[str, str], workdir: Path, steps: int, extra: dict[str, str]):
     """The submitting shell's environment (``sbatch`` exports it to the job): the launch script's settings for the
     tiny task, and SETUP_COMMAND, which every node runs first. A new Ray token: the job's cluster carries it."""
-    new_cluster_token()
     return {
         **os.environ,
-        **CLUSTER_ENV,
+        **cluster_token_env(),
         **slurm,
         "SETUP_COMMAND": f"source {Path(sys.executable).parent / 'activate'}",
         "MODEL_PATH": tiny["model"],

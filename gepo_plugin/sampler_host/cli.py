@@ -97,34 +97,43 @@ async def serve(args: argparse.Namespace, token: str, options: dict) -> int:
     except SigningKeyError as error:
         raise SystemExit(f"gepo-sampler: --public-key: {error}") from None
     logger = logging.getLogger("gepo_plugin.sampler_host")
-    async with GatewayClient(args.gateway, args.name, token, args.ca_cert) as gateway:
-        try:  # first, whether the learner takes this sampler at all (before a minute of vLLM start-up)
-            hello = await join(gateway, logger)
-        except GatewayRefused as error:
-            logger.error("%s", error)
-            return 3
-        if args.vllm_url:
-            engine = VLLMEngine(args.vllm_url)
+    # vLLM starts at once, while the gateway is dialled: a host started before its learner is ready when the learner
+    # is (a minute of vLLM's start-up overlaps the learner's own); a host the gateway refuses stops its vLLM again
+    if args.vllm_url:
+        engine = VLLMEngine(args.vllm_url)
+    else:
+        log = Path(args.vllm_log) if args.vllm_log else None
+        engine = VLLMEngine.start(args.model, args.port, args.max_model_len, args.dtype, args.vllm_arg, log)
+    serving: list[SamplerHost] = []
+    main = asyncio.current_task()
+
+    def on_signal() -> None:
+        """SIGINT/SIGTERM: a serving host stops its work cleanly; before that, the wait ends (and vLLM with it)."""
+        if serving:
+            serving[0].stop()
         else:
-            log = Path(args.vllm_log) if args.vllm_log else None
-            engine = VLLMEngine.start(args.model, args.port, args.max_model_len, args.dtype, args.vllm_arg, log)
-        try:
-            async with engine:
-                await engine.wait_ready(args.startup_timeout_s)
-                host = SamplerHost(
-                    args.name, gateway, engine, verifier, args.relay_url, options, args.poll_s, args.outage_s
-                )
-                loop = asyncio.get_running_loop()
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, host.stop)
-                try:
-                    await host.run(hello)
-                except GatewayRefused as error:
-                    logger.error("%s", error)
-                    return 3
-            return 0
-        finally:
-            engine.stop()
+            main.cancel()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        async with GatewayClient(args.gateway, args.name, token, args.ca_cert) as gateway, engine:
+            hello = await join(gateway, logger)
+            await engine.wait_ready(args.startup_timeout_s)
+            serving.append(
+                SamplerHost(args.name, gateway, engine, verifier, args.relay_url, options, args.poll_s, args.outage_s)
+            )
+            await serving[0].run(hello)
+        return 0
+    except GatewayRefused as error:
+        logger.error("%s", error)
+        return 3
+    except asyncio.CancelledError:
+        logger.warning("sampler %s: stopped before it served", args.name)
+        return 0
+    finally:
+        engine.stop()
 
 
 async def join(gateway, logger: logging.Logger):

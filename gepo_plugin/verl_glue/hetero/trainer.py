@@ -148,7 +148,7 @@ class HeteroMixin(AdvantageFieldsMixin):
         if self._hetero_buffer() is None:
             return writes
         lags = response_lags(batch.keys, batch.tags, learner_version=learner_version(self.global_steps))
-        metrics.update(self._throughput_metrics(batch, data["extra_fields"]))
+        metrics.update(self._throughput_metrics(batch, data["extra_fields"], data["rm_scores"]))
         metrics.update(self._drop_bias_metrics(batch, data["rm_scores"], metrics))
         fleet = self._fleet()
         if fleet is not None:  # this step's view: alive groups, failures and replacements so far
@@ -195,8 +195,11 @@ class HeteroMixin(AdvantageFieldsMixin):
         self.hetero.server_groups.update(live)
         return self.hetero.server_groups
 
-    def _throughput_metrics(self, batch, extra_fields) -> dict[str, float]:
-        """Trained trajectories and response tokens per sampler group, per second since the last step.
+    def _throughput_metrics(self, batch, extra_fields, rm_scores: torch.Tensor) -> dict[str, float]:
+        """Trained trajectories, response tokens per second since the last step, and mean reward, per sampler group.
+
+        The reward shows what each group's weights are worth: a group that never receives the learner's weights
+        stays at its first policy's reward while the others climb.
 
         Rollouts carry their server in ``extra_fields["server_id"]`` (patches/server_identity.py); if a
         rollout server does not report it the metrics are simply absent.
@@ -218,9 +221,13 @@ class HeteroMixin(AdvantageFieldsMixin):
         names, index = np.unique(labels, return_inverse=True)
         trajectories = dict(zip(names.tolist(), np.bincount(index).tolist(), strict=True))
         tokens = dict(zip(names.tolist(), np.bincount(index, weights=lengths).tolist(), strict=True))
+        scores = rm_scores.float().sum(-1)[real].numpy().astype(np.float64)
+        rewards = dict(zip(names.tolist(), np.bincount(index, weights=scores).tolist(), strict=True))
         out = {}
         for label in sorted({*trajectories, *(v for v in groups.values() if v != "learner")}):
             out[metric_names.sampler_group(label, "trained_trajectories")] = float(trajectories.get(label, 0))
+            if trajectories.get(label):
+                out[metric_names.sampler_group(label, "reward_mean")] = rewards[label] / trajectories[label]
             if elapsed > 0:
                 out[metric_names.sampler_group(label, "trained_tokens_per_s")] = tokens.get(label, 0.0) / elapsed
         return out
