@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the ho
 def run(args) -> dict:
     import secrets
 
-    from remote_hosts import CPU_ENGINE_ENV, free_port
+    from remote_hosts import CPU_ENGINE_ENV, KV_CACHE_BYTES, free_port
     from safetensors.torch import load_file
 
     from gepo_plugin.hetero.audit.settings import AuditConfig
@@ -67,7 +67,7 @@ def run(args) -> dict:
             free_port(),
             16 + max(args.lengths),
             "float32",
-            ["--enforce-eager"],
+            ["--enforce-eager", f"--kv-cache-memory-bytes={KV_CACHE_BYTES}"],
             log=Path(tmp) / "vllm.log",
             env={**os.environ, **CPU_ENGINE_ENV},  # the engine's environment replaces the process's
         )

@@ -27,6 +27,9 @@ ratio of GEPO's to verl's GRPO (same seeds, side by side). ``--png`` draws the c
     python bench/bench_tiny_learning.py --json docs/bench/tiny_learning.json --png docs/bench/tiny_learning.png
     python bench/bench_tiny_learning.py --configs gepo_sync gepo_lr0 --seeds 2 --steps 10     # a quick look
 
+With ``--json`` every run is written as it ends, and a study run again with the same file and steps goes on with the
+runs it lacks.
+
 About a minute per run on 2 cores (start-up included; two with vLLM or Megatron): all nine configurations over ten
 seeds take about two and a half hours.
 """
@@ -34,12 +37,21 @@ seeds take about two and a half hours.
 from __future__ import annotations
 
 import importlib
+import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from common import add_output_options, cpu_training_metrics, pyplot, save_figure, script_parser, write_json_around
+from common import (
+    add_output_options,
+    cpu_training_metrics,
+    pyplot,
+    save_figure,
+    script_parser,
+    write_json,
+    write_json_around,
+)
 from tqdm import tqdm
 
 SCORE = "critic/score/mean"
@@ -159,7 +171,7 @@ def report(results, steps: int) -> dict:
 
 def draw(results, path: str) -> None:
     plt = pyplot()
-    panels = [(SCORE, "the trained batch's mean reward"), (FROZEN_GROUP, "gepo_frozen: per sampler group")]
+    panels = [(SCORE, "the trained batch's mean reward"), (FROZEN_GROUP, "a frozen sampler beside: per group")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, seeds in results.items():
         curves = [c[SCORE] for c in seeds.values()]
@@ -169,14 +181,14 @@ def draw(results, path: str) -> None:
         columns = list(zip(*curves, strict=False))
         axes[0].plot(steps, [statistics.median(c) for c in columns], label=name)
         axes[0].fill_between(steps, [min(c) for c in columns], [max(c) for c in columns], alpha=0.15)
-    frozen = results.get("gepo_frozen", {})
-    for key, label in ((LIVE_GROUP, "group 0 (receives the weights)"), (FROZEN_GROUP, "group 1 (never does)")):
-        curves = [c[key] for c in frozen.values() if key in c]
-        if curves:
-            steps = range(1, len(curves[0]) + 1)
-            columns = [[v for v in column if v == v] or [float("nan")] for column in zip(*curves, strict=False)]
-            axes[1].plot(steps, [statistics.median(c) for c in columns], label=label)
-            axes[1].fill_between(steps, [min(c) for c in columns], [max(c) for c in columns], alpha=0.15)
+    for name in ("gepo_frozen", "megatron_frozen"):
+        for key, label in ((LIVE_GROUP, "group 0 (receives the weights)"), (FROZEN_GROUP, "group 1 (never does)")):
+            curves = [c[key] for c in results.get(name, {}).values() if key in c]
+            if curves:
+                steps = range(1, len(curves[0]) + 1)
+                columns = [[v for v in column if v == v] or [float("nan")] for column in zip(*curves, strict=False)]
+                axes[1].plot(steps, [statistics.median(c) for c in columns], label=f"{name}: {label}")
+                axes[1].fill_between(steps, [min(c) for c in columns], [max(c) for c in columns], alpha=0.15)
     for axis, (_, title) in zip(axes, panels, strict=True):
         axis.set_xlabel("step")
         axis.set_ylabel("mean reward (share of digits)")
@@ -195,13 +207,24 @@ def main(argv: list[str] | None = None) -> int:
     add_output_options(parser, "every curve and the summary", "the curves (median and range over seeds)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the e2e runs' configurations
-    results: dict[str, dict[str, dict[str, list[float]]]] = {name: {} for name in args.configs}
-    record = {"steps": args.steps, "window": WINDOW, "results": results}
-    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    record = {"steps": args.steps, "window": WINDOW, "results": {name: {} for name in args.configs}}
+    if args.json and Path(args.json).exists():  # an interrupted study goes on where it stopped (same steps only)
+        saved = json.loads(Path(args.json).read_text())
+        if saved.get("steps") == args.steps:
+            for name, seeds in saved["results"].items():
+                record["results"].setdefault(name, {}).update(seeds)
+    results: dict[str, dict[str, dict[str, list[float]]]] = record["results"]
+    todo = [
+        (seed, name)
+        for seed in range(args.first_seed, args.first_seed + args.seeds)
+        for name in args.configs
+        if str(seed) not in results[name]
+    ]
     with tempfile.TemporaryDirectory(prefix="tiny_learning_") as root:
-        for seed in tqdm(seeds, desc="seeds"):
-            for name in args.configs:
-                results[name][str(seed)] = run(name, seed, args.steps, Path(root))
+        for seed, name in tqdm(todo, desc="runs"):
+            results[name][str(seed)] = run(name, seed, args.steps, Path(root))
+            if args.json:  # every run kept as it ends: a study takes hours
+                write_json(args.json, record)
     write_json_around(args.json, record, lambda: report(results, args.steps))
     if args.png:
         draw(results, args.png)

@@ -121,3 +121,11 @@ def test_gepo_with_m2pos_mask_reads_the_cap_measured_over_each_mini_batch(metric
         # the mini-batch's count, the same in every micro-batch of both learners (a micro-batch's own is smaller)
         assert m["actor/m2po/harmful_tokens"] == int(m["actor/m2po/harmful_tokens"]) > 0, step
         assert m["actor/m2po/cap_binds"] == 1.0 and m["actor/m2po/masked_frac"] > 0, step
+
+
+def test_verls_buffer_no_longer_waits_two_seconds_for_each_generation(metrics):
+    """The launcher switches the paced polls on (``patches/replay_buffer_poll.py``): verl's sync buffer slept 2 s
+    whenever a batch was not finished, so every step's generation ended on a multiple of 2 s; the tiny model generates
+    in well under a second, and after the first step (which starts verl's agent loop) so does the wait for it."""
+    waits = [m["timing_s/gen"] for step, m in sorted(metrics.items()) if step > 1]
+    assert waits and max(waits) < 1.5, waits

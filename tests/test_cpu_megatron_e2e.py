@@ -135,6 +135,7 @@ def test_hetero_separate_async_with_a_megatron_learner_keeps_its_books_and_insta
     check_every_step(metrics, HETERO_MAX_LAG)
     for step, m in metrics.items():
         assert m["hetero/trained"] == PROMPTS * step
+        assert m["hetero/dropped"] == 0, (step, m)  # strategy wait: nothing dropped, the frozen group's groups too
         assert m["actor/gepo/group_term_present"] == 1.0 and _finite(m["actor/pg_loss"])
         assert m[f"{FROZEN}weight_version"] == 0, step  # never installs a version
     versions = {step: m[f"{LIVE}weight_version"] for step, m in metrics.items()}

@@ -288,6 +288,9 @@ def test_a_resumed_run_continues_from_the_store_and_its_books(scenario):
     assert resumed[STEPS + 2]["hetero/relay/versions_published"] == 1
     assert saved.get("hetero/relay/versions_discarded", 0) == 0
     assert min(first[f"hetero/sampler_group_{g}/weight_version"] for g in (0, 1)) >= STEPS
+    for step, m in resumed.items():  # rollouts queued at the checkpoint keep their sampler group after the resume
+        if step < steps[-1]:
+            check_gepo_hetero_step(step, m)
     checkpoint = scenario["workdir"] / "checkpoints" / f"global_step_{RESUMED_CHECKPOINT}"
     state = json.loads((checkpoint / "hetero.json").read_text())
     assert [f["kind"] for f in state["samplers"]["failures"]] == ["died"]
@@ -297,7 +300,8 @@ def test_a_resumed_run_continues_from_the_store_and_its_books(scenario):
 def test_losing_every_sampler_node_stops_the_run_with_a_clear_error(scenario):
     text = scenario["resumed"].log
     assert scenario["resumed_code"] != 0 and "NoSamplerLeft" in text and "every sampler is lost" in text, text[-3000:]
-    assert scenario["stopped_after"] < 120, scenario["stopped_after"]
+    # the last death is seen within two probe intervals; the step under way fails, and the run stops
+    assert scenario["stopped_after"] < 60, scenario["stopped_after"]
 
 
 def stored_manifests(store: RelayStore) -> list[bytes]:

@@ -3,9 +3,10 @@ against: the same trainer with a learning rate of 0 does not learn (tiny model, 
 and TransferQueue).
 
 One run of ``algorithm.loss=m2po`` at a budget of 0 (every harmful token clipped) for the steps the learning runs take,
-with ``optim.lr=0``. The other answers to stale rollouts run elsewhere: GEPO with M2PO's mask in the FSDP2 run
-(``tests/test_cpu_e2e.py``), GEPO beside verl's decoupled sequence-level truncated IS in the vLLM run
-(``tests/test_vllm_e2e.py``).
+with ``optim.lr=0``, on verl's separate_async trainer without HeteroRL (one rollout replica beside the learners, its
+weights synced every step: the mode's own path, which no HeteroRL run takes). The other answers to stale rollouts
+run elsewhere: GEPO with M2PO's mask in the FSDP2 run (``tests/test_cpu_e2e.py``), GEPO beside verl's decoupled
+sequence-level truncated IS in the vLLM run (``tests/test_vllm_e2e.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _finite(value) -> bool:
 def m2po_run(tiny, shared_cluster, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("m2po_lr0")
     overrides = [
-        *cpu_run_overrides(tiny, loss="m2po", steps=STEPS_TO_LEARN, output_dir=str(workdir)),
+        *cpu_run_overrides(tiny, loss="m2po", mode="separate_async", steps=STEPS_TO_LEARN, output_dir=str(workdir)),
         "actor_rollout_ref.actor.policy_loss.m2_budget=0",
         "actor_rollout_ref.actor.optim.lr=0",
         *shared_cluster.join_overrides(),
@@ -44,6 +45,8 @@ def test_m2po_measures_each_mini_batch_in_the_learners_and_trains(m2po_run):
     splits over two learners and two-row micro-batches. The budget 0 clips every harmful token."""
     metrics = m2po_run.metrics
     assert sorted(metrics) == list(range(1, STEPS_TO_LEARN + 1))
+    assert "'trainer_mode': 'gepo_separate_async'" in m2po_run.log  # the plugin's trainer of verl's mode
+    assert not any(key.startswith("hetero/") for m in metrics.values() for key in m)  # and no HeteroRL
     for step, m in metrics.items():
         assert _finite(m["actor/pg_loss"]) and _finite(m["actor/grad_norm"]), step
         for key in ("m2", "m2_after", "cap_binds", "harmful_tokens"):
