@@ -1,16 +1,20 @@
 """The weight relay through verl's real separate_async trainer on CPU, on four Ray nodes, over a real S3 server.
 
-The learner (head node, started with examples/ray/start_head.sh: a learner node, offering hetero.learner_resource)
-publishes each version to moto's S3 server over HTTP, through a TCP proxy; two sampler groups on two other Ray nodes
-(start_worker.sh) pull over their own links, one limited to 1 Mbit/s; a fourth node waits idle. While it trains, the
-test cuts the store off for longer than a store operation's retries (the samplers fall behind, the learner waits
-for them within the bound, publishing resumes when the store is back), corrupts a stored shard (the samplers must
-detect it and get past it), and kills the node of a sampler group chosen by its group, not by what else it hosts
-(verl's own services stay on the learner's node): the sampler is retired, a replacement starts on the idle node,
-pulls the newest keyframe and joins, and the run finishes. A resumed run continues from the store and the books in
-hetero.json, until both sampler groups' nodes are killed in turn and it stops with a clear error; and the model
-learns through all of it. Nothing in the run is mocked or hooked. The two runs are one scenario (a module fixture),
+The learner (verl's Megatron engine, on the head node, started with examples/ray/start_head.sh: a learner node,
+offering hetero.learner_resource) publishes each version to moto's S3 server over HTTP, through a TCP proxy; two
+sampler groups on two other Ray nodes (start_worker.sh) pull over their own links, one limited to 0.4 Mbit/s; a fourth
+node waits idle. While it trains, the test cuts the store off for longer than a store operation's retries (the
+samplers fall behind, the learner waits for them within the bound, publishing resumes when the store is back),
+corrupts a stored shard (the samplers must detect it and get past it), and kills the node of a sampler group chosen
+by its group, not by what else it hosts (verl's own services stay on the learner's node): the sampler is retired, a
+replacement starts on the idle node, pulls the newest keyframe and joins, and the run finishes. A resumed run
+continues from the store and the books in hetero.json, until both sampler groups' nodes are killed in turn and it
+stops with a clear error. Nothing in the run is mocked or hooked. The two runs are one scenario (a module fixture),
 each claim one test of what it recorded.
+
+The learner is Megatron's so that what verl's Megatron engine hands the relay (its parameters under HF names) is what
+the samplers install, digest-checked against the manifests: the relay's path with an FSDP2 learner, into vLLM, is the
+vLLM and remote-sampler runs' (``tests/test_vllm_e2e.py``, ``tests/test_remote_e2e.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 
 import pytest
 from chaos import check_every_step, check_gepo_hetero_step, failures
+from cpu_runs import MEGATRON
 from learning import assert_learns
 from outage_proxy import OutageProxy
 from ray_nodes import actors_by_node, ray_nodes
@@ -32,15 +37,16 @@ from gepo_plugin.hetero.relay.manifest import MANIFESTS, Manifest, parse_manifes
 from gepo_plugin.hetero.relay.store import RelayStore
 from gepo_plugin.tiny import cpu_run_overrides
 
-pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.megatron]
 
 #: group 0's link is slow enough to pace the run once group 1's node is killed: with only group 0 left, a step under the
-#: wait strategy needs one of its installs, and a weight delta of the tiny model (~270 kB) takes ~2.2 s at 1 Mbit/s
-MAX_LAG, SLOW_MBPS, LATENCY_MS = 2, 1.0, 20.0
+#: wait strategy needs one of its installs, and a weight delta of the tiny model in the bf16 Megatron holds (~130 kB)
+#: takes ~2.6 s at 0.4 Mbit/s
+MAX_LAG, SLOW_MBPS, LATENCY_MS = 2, 0.4, 20.0
 #: what a sampler node hosts: a rollout server (``<rollout>_server_<rank>_0``) and its checkpoint-engine workers
 SAMPLER_ACTORS = ("CheckpointEngineWorker", "CheckpointEngineWorker_0:0")
 #: after the node is killed (step KILL_AFTER) the run goes on for at least one slow pull a step (above): 17 steps,
-#: ~37 s or more, long enough for a replacement to start on the idle node and join (15-20 s here) with room to spare
+#: ~44 s or more, long enough for a replacement to start on the idle node and join (15-20 s here) with room to spare
 #: on a busy machine (the run's own pace is no bound: without the slow link a step takes 0.5-1 s)
 STEPS, SAVE_FREQ = 24, 4
 #: seconds the store is unreachable: several times a store operation's retries (hetero.relay.retry_attempts=2, with
@@ -56,6 +62,7 @@ RESUMED_CHECKPOINT = STEPS + SAVE_FREQ
 def relay_overrides(tiny, workdir, steps: int, cluster, url: str, endpoint: str, replace: bool) -> list[str]:
     return [
         *cpu_run_overrides(tiny, loss="gepo", mode="separate_async", steps=steps, output_dir=str(workdir)),
+        MEGATRON,  # the learner publishes what verl's Megatron engine hands the relay (HF names, from its parameters)
         f"trainer.save_freq={SAVE_FREQ}",
         "trainer.v1.separate_async.parameter_sync_step=1",
         "actor_rollout_ref.rollout.nnodes=2",  # one sampler replica on each of two worker nodes
