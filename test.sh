@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite (what CI runs). Sets up .venv on first use; extra arguments go to pytest (one serial run).
 # Without arguments: ruff, then the suite in two phases: the tests that start no Ray cluster on both cores
-# (pytest-xdist; tests in one xdist_group, e.g. those that watch /dev/shm, share a worker), then the Ray and
-# end-to-end runs one at a time (each uses every core; most join one Ray cluster the session shares).
+# (pytest-xdist), then the Ray and end-to-end runs in two lanes at once (one worker each, the lanes of
+# tests/conftest.py: LANES; each lane's runs one at a time, most joining one Ray cluster its session shares), and
+# last the few that run alone (SOLO: timings of a second, or `ray stop`).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bash "$root/scripts/bootstrap.sh"
@@ -14,5 +15,6 @@ if [ "$#" -gt 0 ]; then
 fi
 status=0
 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not ray and not e2e" || status=$?
-.venv/bin/python -m pytest -q -p no:cacheprovider -m "ray or e2e" || status=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "(ray or e2e) and not solo" || status=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider -m "(ray or e2e) and solo" || status=$?
 exit "$status"

@@ -14,6 +14,50 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 pytest_plugins = ["e2e_timing"]
 
+#: The second phase (``ray or e2e``) runs in two lanes at once, one pytest-xdist worker each (``test.sh``: ``-n 2
+#: --dist loadgroup``): an end-to-end run's start-up leaves a core idle most of the time (one Python process importing
+#: torch and verl after another), so two runs side by side take far less than two runs one after the other. The lanes
+#: are balanced by their measured time and kept apart by what they share: every run with vLLM in one (they watch
+#: /dev/shm, which another vLLM run would write to, and four vLLM engines use most of this machine's memory), the rest
+#: in the other. Modules not named here are SOLO or in phase one.
+LANES = {
+    "vllm": ("test_vllm_e2e", "test_remote_e2e", "test_vllm_cpu", "test_remote_sampler"),
+    "trainer": (
+        "test_cpu_e2e",
+        "test_cpu_megatron_e2e",
+        "test_stale_corrections_e2e",
+        "test_hetero_elastic_e2e",
+        "test_relay_e2e",
+        "test_hetero_sampler",
+        "test_hetero_differential",
+        "test_hetero_server_identity",
+        "test_cpu_rollout",
+        "test_mailbox_placement",
+        "test_learner_placement",
+        "test_registration",
+        "test_lab_cli",
+        "test_gepo_padding",
+    ),
+}
+#: Modules of the second phase that run alone, after the lanes (marked ``solo``): their assertions are about timings of
+#: a second or less (paced polls, probes, a held long poll), or they end every Ray process of the machine (the Slurm
+#: job's ``ray stop``, on one machine standing in for several).
+SOLO = ("test_replay_poll", "test_hetero_health", "test_remote_gateway", "test_slurm_e2e")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the `-m` selection and pytest-xdist's groups read the marks
+def pytest_collection_modifyitems(config, items) -> None:
+    lane_of = {module: lane for lane, modules in LANES.items() for module in modules}
+    for item in items:
+        module = item.path.stem
+        if not (item.get_closest_marker("ray") or item.get_closest_marker("e2e")):
+            continue  # phase one's tests are spread over both workers as they come
+        if module in SOLO:
+            item.add_marker(pytest.mark.solo)
+        elif module in lane_of:
+            item.add_marker(pytest.mark.xdist_group(lane_of[module]))
+
+
 make_batch = random_batch
 
 

@@ -39,7 +39,9 @@ def valid_gepo_command(paths: dict[str, str]) -> list[str]:
     ]
 
 
-def gepo_sync_overrides(tiny: dict[str, str], workdir: Path, steps: int, engine: list[str] = ()) -> list[str]:
+def gepo_sync_overrides(
+    tiny: dict[str, str], workdir: Path, steps: int, engine: list[str] = (), learners: int = LEARNERS
+) -> list[str]:
     """GEPO in sync mode, checkpoint (with an HF copy of the actor) at step 3; ``engine`` picks the actor's."""
     overrides = cpu_run_overrides(
         tiny,
@@ -48,7 +50,7 @@ def gepo_sync_overrides(tiny: dict[str, str], workdir: Path, steps: int, engine:
         steps=steps,
         prompts_per_step=PROMPTS,
         responses=RESPONSES,
-        learners=LEARNERS,
+        learners=learners,
         output_dir=str(workdir),
         save_freq=3,
     )

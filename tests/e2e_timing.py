@@ -1,9 +1,10 @@
-"""Where the end-to-end tier's time goes: every test's set-up, call and tear-down, and the timeline of every trainer
-run (``tests/trainer_run.py``), written as JSON when ``GEPO_E2E_TIMING`` names a file.
+"""Where the end-to-end tier's time goes: every Ray and end-to-end test's set-up, call and tear-down, and the timeline
+of every trainer run (``tests/trainer_run.py``), added to the JSON file ``GEPO_E2E_TIMING`` names.
 
-A pytest plugin (``conftest.py`` loads it): ``GEPO_E2E_TIMING=timing.json bash test.sh -m "(ray or e2e)"`` measures a
-tier, and ``python scripts/e2e_timing_table.py timing.json`` turns the file into the development page's table. A test
-helper, not shipped.
+A pytest plugin (``conftest.py`` loads it): ``GEPO_E2E_TIMING=timing.json bash test.sh`` measures the tier (remove the
+file first: every session, and each of its pytest-xdist workers, adds what it ran), and ``python
+scripts/e2e_timing_table.py timing.json`` turns the file into the development page's table. A test helper, not
+shipped.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 ENV = "GEPO_E2E_TIMING"
+#: what a pytest-xdist worker hands its controller (``workeroutput``)
+WORKER_KEY = "gepo_e2e_runs"
 
 _tests: dict[str, dict[str, float]] = {}
 _runs: list[tuple[str, Any]] = []
+_from_workers: list[dict] = []
 
 
 def current_test() -> str:
@@ -30,15 +34,8 @@ def record_timeline(timeline: Any) -> None:
     _runs.append((current_test(), timeline))
 
 
-def pytest_runtest_logreport(report) -> None:
-    _tests.setdefault(report.nodeid, {})[report.when] = report.duration
-
-
-def pytest_sessionfinish(session) -> None:
-    path = os.environ.get(ENV)
-    if not path or hasattr(session.config, "workerinput"):  # one file per session, from its main process
-        return
-    runs = [
+def _run_records() -> list[dict]:
+    return [
         {
             "test": test,
             "name": timeline.name,
@@ -50,4 +47,26 @@ def pytest_sessionfinish(session) -> None:
         }
         for test, timeline in _runs
     ]
-    Path(path).write_text(json.dumps({"tests": _tests, "runs": runs}, indent=1))
+
+
+def pytest_runtest_logreport(report) -> None:
+    if "ray" in report.keywords or "e2e" in report.keywords:  # the tier's tests only
+        _tests.setdefault(report.nodeid, {})[report.when] = report.duration
+
+
+def pytest_testnodedown(node, error) -> None:
+    """A pytest-xdist worker ended: keep the runs it timed (its tests' durations reached the controller as reports)."""
+    _from_workers.extend(json.loads(getattr(node, "workeroutput", {}).get(WORKER_KEY, "[]")))
+
+
+def pytest_sessionfinish(session) -> None:
+    if hasattr(session.config, "workerinput"):  # a worker: its runs go to the controller, which writes them
+        session.config.workeroutput[WORKER_KEY] = json.dumps(_run_records())
+        return
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    record = json.loads(Path(path).read_text()) if Path(path).exists() else {"tests": {}, "runs": []}
+    record["tests"].update(_tests)
+    record["runs"] += _run_records() + _from_workers
+    Path(path).write_text(json.dumps(record, indent=1))

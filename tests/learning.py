@@ -26,6 +26,8 @@ LEARNED = 0.45
 NOT_LEARNED = 0.32
 #: Steps a run needs for :data:`LEARNED` (the slowest seed of the slowest setting crossed it by step 20).
 STEPS_TO_LEARN = 25
+#: The same on-policy (every trained batch from the learner's own version): the slowest seed crossed it by step 10.
+STEPS_TO_LEARN_ON_POLICY = 15
 
 
 def curve(metrics: dict[int, dict], key: str = SCORE) -> list[float]:

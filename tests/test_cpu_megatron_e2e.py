@@ -35,7 +35,9 @@ def _finite(value) -> bool:
 def megatron_sync_run(tiny, shared_cluster, tmp_path_factory):
     """GEPO, sync, 3 steps on the Megatron actor, checkpoint (with an HF copy) at step 3; then a resume to step 4."""
     workdir = tmp_path_factory.mktemp("megatron_sync")
-    overrides = [*gepo_sync_overrides(tiny, workdir, 3, [MEGATRON]), *shared_cluster.join_overrides()]
+    # one learner: the run compares with FSDP2's two (the step's statistics are the whole batch's, whatever the split);
+    # two Megatron ranks over gloo train in the relay's run (tests/test_relay_e2e.py)
+    overrides = [*gepo_sync_overrides(tiny, workdir, 3, [MEGATRON], learners=1), *shared_cluster.join_overrides()]
     first = complete_run("megatron sync", overrides, workdir, env=shared_cluster.env)
     resumed = [o for o in overrides if not o.startswith("trainer.total_training_steps")]
     resume = complete_run(
@@ -55,7 +57,7 @@ def test_gepo_trains_on_the_megatron_actor_with_the_group_term(megatron_sync_run
     for step, m in metrics.items():
         assert _finite(m["actor/pg_loss"]) and _finite(m["actor/grad_norm"]), step
         # every sample of every micro-batch Megatron's own forward_step built carried the trainer's group term:
-        # 16 samples per step over 2 learners, micro-batches of 2, so 4 micro-batches per learner
+        # 16 samples per step, micro-batches of 2, so 8 micro-batches
         assert m["actor/gepo/group_term_present"] == 1.0, step
         assert m["gepo/num_groups"] == PROMPTS and m["gepo/group_size_mean"] == RESPONSES, step
         for key in ("iw_mean", "ess", "clipfrac"):

@@ -1,17 +1,19 @@
 """verl's real trainer with samplers outside its Ray cluster: GEPO on separate_async, a mixed fleet, two liars, faults.
 
-One scenario, run once for every claim of its tests. The learner's Ray cluster runs one in-cluster vLLM sampler group;
-three more groups are sampler hosts started by the test as ordinary processes outside Ray, before the learner, as an
-operator would (``python -m gepo_plugin sampler`` through ``examples/remote/sampler_host.sh``: vLLM's CPU build on
-localhost, no Ray variable in its environment), each following the relay from moto's S3 server (the usual AWS
-environment variables, read-only use), verifying manifests with the learner's Ed25519 public key, and dialling the
-learner's gateway. Two of them lie (``tests/lying_host.py``, the real host with one lie each): ``shifted`` sends
-log-probs shifted by 0.01 (what a sampler with other weights or another dtype sends), ``greedy`` decodes greedily and
-reports its results as sampled at temperature 1 (its log-probs are honest). Nothing is mocked.
+One scenario, run once for every claim of its tests. The learner's Ray cluster runs one in-cluster sampler group (the
+CPU backend's transformers server, in float32); three more groups are sampler hosts started by the test as ordinary
+processes outside Ray, before the learner, as an operator would (``python -m gepo_plugin sampler`` through
+``examples/remote/sampler_host.sh``: vLLM's CPU build on localhost, no Ray variable in its environment), each following
+the relay from moto's S3 server (the usual AWS environment variables, read-only use), verifying manifests with the
+learner's Ed25519 public key, and dialling the learner's gateway. Two of them lie (``tests/lying_host.py``, the real
+host with one lie each): ``shifted`` sends log-probs shifted by 0.01 (what a sampler with other weights or another dtype
+sends), ``greedy`` decodes greedily and reports its results as sampled at temperature 1 (its log-probs are honest).
+Nothing is mocked.
 
 * **the bound and the books** at every step, on-policy (``max_lag=0``): the rollout's log-probs agree with the
   learner's to float32 rounding at every step (``rollout/fresh_logprob_gap``): the in-cluster group's installs from the
-  store from the first step, the remote groups' tokens once they joined;
+  store, and the honest host's vLLM, which installs each version from the store too (the hosts dial in before the
+  first step, so from the first step on);
 * **the audit** (``hetero.audit``, fraction 1, hold): the honest sampler passes every audit with float32 rounding's
   gap; ``shifted``'s audits all disagree and it is quarantined at its second, nothing of it trained; ``greedy``'s pass
   one by one (so they are trained) until the sampling test has seen enough PITs; each liar is retired as quarantined,
@@ -32,14 +34,14 @@ import signal
 import time
 
 import pytest
-from chaos import check_every_step
+from chaos import check_every_step, hetero_overrides
 from free_ports import free_port
-from learning import LEARNED, STEPS_TO_LEARN, WINDOW, assert_learns, curve
+from learning import LEARNED, STEPS_TO_LEARN_ON_POLICY, WINDOW, assert_learns, curve
 from outage_proxy import OutageProxy
 from relay_fixtures import s3_server
 from remote_hosts import start_host, stop
 from trainer_run import TrainerRun
-from vllm_runs import FP32_GAP, GAP, vllm_hetero_overrides
+from vllm_runs import FP32_GAP, GAP
 
 from gepo_plugin.hetero.audit.book import LOG_PROBS, SAMPLING
 from gepo_plugin.hetero.relay.signing import generate_pair
@@ -82,7 +84,7 @@ def quarantined_at(metrics: dict[int, dict]) -> int | None:
 def ready_for_faults(metrics: dict[int, dict]) -> bool:
     """The honest sampler was trained, both liars were quarantined, and the run trained the steps to learn."""
     done = len(trained(metrics)) >= TRAINED_STEPS and quarantined_at(metrics) is not None
-    return done and max(metrics) >= STEPS_TO_LEARN
+    return done and max(metrics) >= STEPS_TO_LEARN_ON_POLICY
 
 
 def last(metrics: dict[int, dict]) -> dict:
@@ -107,8 +109,11 @@ def scenario(tmp_path_factory):
         honest = [start_host(through_proxy, HONEST, token, public, tiny["model"], url, options, tmp_path / "h1")]
         entries = ",".join(f"{{name:{name},token_env:{TOKEN_ENV}}}" for name in GROUPS)
         overrides = [
-            *vllm_hetero_overrides(tiny, tmp_path, 2000, max_lag=0),
-            "actor_rollout_ref.rollout.n_gpus_per_node=1",  # one in-cluster sampler group
+            *hetero_overrides(tiny, tmp_path, 2000, samplers=1, learners=1, max_lag=0),  # one in-cluster group
+            # decoupled mode: the learner recomputes log-probs, so every sampler's can be checked against them; the
+            # learner in float32, like the in-cluster transformers server and the hosts' vLLM
+            "algorithm.rollout_correction.bypass_mode=false",
+            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
             "hetero.transport=relay",
             f"hetero.relay.url={url}",
             f"+hetero.relay.storage_options.client_kwargs.endpoint_url={options['client_kwargs']['endpoint_url']}",
@@ -130,13 +135,7 @@ def scenario(tmp_path_factory):
             return run.wait_until(lambda logged: condition(logged), what, timeout_s)
 
         try:
-            until(
-                lambda m: (
-                    len(trained(m)) >= TRAINED_STEPS and quarantined_at(m) is not None and max(m) >= STEPS_TO_LEARN
-                ),
-                "the honest sampler trained, both liars quarantined, and the steps to learn",
-                1200,
-            )
+            until(ready_for_faults, "the honest sampler trained, both liars quarantined, the steps to learn", 1200)
             liars_exit = {name: host.wait(timeout=120) for name, (host, _) in hosts.items()}  # refused for good
             marks["before_faults"] = max(run.metrics)
 

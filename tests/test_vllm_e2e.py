@@ -242,9 +242,10 @@ def test_heterorl_with_two_vllm_samplers_keeps_the_lag_bound_and_survives_a_kill
     # one sampler lost, and lost because its engine died: its server process lived on (it logged EngineDeadError)
     last = logged[STEPS_TO_LEARN]
     assert last["hetero/sampler_failures/died"] == 1 and last["hetero/sampler_failures"] == 1
-    # its server lived on, answering that its engine is dead: the next probe sees it (two intervals, a loaded machine)
+    # its server lived on, answering that its engine is dead: a probe sees it within two intervals (plus a loaded
+    # machine's scheduling: this test runs beside another lane)
     detected = [m["hetero/sampler_detect_s/last"] for m in logged.values() if "hetero/sampler_detect_s/last" in m]
-    assert detected and max(detected) <= 2 * HealthConfig().interval_s + 2.0, detected
+    assert detected and max(detected) <= 2 * HealthConfig().interval_s + 4.0, detected
     assert "EngineDeadError" in run.log and "its inference engine died" in run.log, run.tail()
     # trajectories generated across weight updates: vLLM's requests aborted at an install and resumed after it
     spans = [m["training/off_policy/trajectory_spans/max"] for m in logged.values()]
