@@ -59,7 +59,7 @@ def run(args) -> dict:
     record: dict = {"lengths": {}, "install_s": [], "requests": args.requests, "concurrency": args.concurrency}
     with tempfile.TemporaryDirectory(prefix="bench_remote_") as tmp, s3_server() as (url, options):
         tiny = write_all(Path(tmp) / "tiny", for_vllm=True)
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         hetero = parse_hetero(
             {
                 "enable": True,

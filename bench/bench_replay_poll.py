@@ -89,7 +89,7 @@ def poll_cost_s(prompts: int, responses: int, repeats: int) -> float:
     from rollout_writer import RolloutWriter, clear_all
     from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
     try:
         writer = RolloutWriter(tq, group_size=responses)

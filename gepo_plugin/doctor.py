@@ -72,7 +72,7 @@ def probe_ray_actor(timeout_s: float = 300.0) -> dict[str, Any]:
 
     started = False
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
         started = True
     try:
         remote_probe = ray.remote(num_cpus=0)(probe_process)

@@ -11,7 +11,6 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -110,14 +109,6 @@ def group_delays(*seconds: float | None) -> str:
         for delay in seconds
     ]
     return f"hetero.group_delays=[{','.join(entries)}]"
-
-
-#: ``hetero.transport`` -> the overrides a run with it needs (``workdir``: the test's folder). Fleet-level end-to-end
-#: tests run against every entry: a new transport gets them by adding one line.
-WEIGHT_TRANSPORTS: dict[str, Callable[[Path], list[str]]] = {
-    "simulated": lambda workdir: ["hetero.transport=simulated"],
-    "relay": lambda workdir: ["hetero.transport=relay", f"hetero.relay.url={workdir / 'relay_store'}"],
-}
 
 
 #: Groups and responses per step (``cpu_run_overrides``' defaults).

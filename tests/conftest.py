@@ -18,8 +18,9 @@ pytest_plugins = ["e2e_timing"]
 #: --dist loadgroup``): an end-to-end run's start-up leaves a core idle most of the time (one Python process importing
 #: torch and verl after another), so two runs side by side take far less than two runs one after the other. The lanes
 #: are balanced by their measured time and kept apart by what they share: every run with vLLM in one (they watch
-#: /dev/shm, which another vLLM run would write to, and four vLLM engines use most of this machine's memory), the rest
-#: in the other. Modules not named here are SOLO or in phase one.
+#: /dev/shm, which another vLLM run would write to, and two vLLM runs at once would use most of this machine's memory),
+#: the rest in the other, whose session fixtures (the FSDP2 run Megatron's is compared with) are computed once.
+#: Modules not named here are SOLO or in phase one.
 LANES = {
     "vllm": ("test_vllm_e2e", "test_remote_e2e", "test_vllm_cpu", "test_remote_sampler"),
     "trainer": (
@@ -45,17 +46,33 @@ LANES = {
 SOLO = ("test_replay_poll", "test_hetero_health", "test_remote_gateway", "test_slurm_e2e")
 
 
-@pytest.hookimpl(tryfirst=True)  # before the `-m` selection and pytest-xdist's groups read the marks
+def lane_of(nodeid: str) -> str | None:
+    """The lane of a test (its module's), or None."""
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return next((lane for lane, modules in LANES.items() if module in modules), None)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    lane_of = {module: lane for lane, modules in LANES.items() for module in modules}
     for item in items:
-        module = item.path.stem
-        if not (item.get_closest_marker("ray") or item.get_closest_marker("e2e")):
-            continue  # phase one's tests are spread over both workers as they come
-        if module in SOLO:
+        if (item.get_closest_marker("ray") or item.get_closest_marker("e2e")) and item.path.stem in SOLO:
             item.add_marker(pytest.mark.solo)
-        elif module in lane_of:
-            item.add_marker(pytest.mark.xdist_group(lane_of[module]))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """With ``--dist loadgroup``, a lane's tests all go to one worker, in order; every other test goes wherever a
+    worker is free. pytest-xdist's own grouping (``xdist_group`` marks, which its worker turns into a nodeid suffix in
+    an undecorated ``pytest_collection_modifyitems``) is never called under pytest 9 (measured: xdist 3.8, pytest 9.2),
+    so the lanes are handed to xdist's scheduler through its public hook instead."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_of(nodeid) or nodeid
+
+    return LaneScheduling(config, log)
 
 
 make_batch = random_batch
@@ -73,7 +90,7 @@ def transfer_queue():
     import transfer_queue as tq
     from omegaconf import OmegaConf
 
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
     yield tq
     tq.close()

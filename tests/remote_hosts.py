@@ -147,7 +147,7 @@ def ray_with_token(variable: str, num_cpus: int):
     token = secrets.token_urlsafe(24)
     saved = os.environ.get(variable)
     os.environ[variable] = token
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         yield token
     finally:

@@ -98,6 +98,7 @@ def cluster(models: dict[str, Path]):
     # classes defined here must reach the workers by value (this module is not importable there)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.init(
+        address="local",
         num_cpus=4,
         num_gpus=1,  # fake: verl's standalone pool asks for a GPU resource; nothing uses CUDA
         include_dashboard=False,

@@ -174,9 +174,9 @@ def scenario(tmp_path_factory):
 
 
 def test_every_step_keeps_the_books_and_agrees_with_the_learner_on_policy(scenario):
-    """Every step (but the one the stop cut short) balances its books with lag 0, and vLLM's log-probs agree with the
-    learner's to float32 rounding: the in-cluster group's installs from the store, and from its first trained step the
-    remote groups' too."""
+    """Every step (but the one the stop cut short) balances its books with lag 0, and the rollout's log-probs agree
+    with the learner's to float32 rounding: the in-cluster transformers server's installs from the store, and from
+    its first trained step the remote hosts' vLLM installs from the store too."""
     metrics = scenario["metrics"]
     steps = sorted(metrics)
     assert steps == list(range(1, steps[-1] + 1))

@@ -156,7 +156,7 @@ class LiveCluster:
         self.ray_cpus = int(ray_cpus or len(self.sampler_seconds))
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(num_cpus=self.ray_cpus, include_dashboard=False, logging_level="WARNING")
+            ray.init(address="local", num_cpus=self.ray_cpus, include_dashboard=False, logging_level="WARNING")
         actor_class = ray.remote(num_cpus=1)(LiveSampler)
         model_ref = ray.put(model)
         task_ref = ray.put(task)
