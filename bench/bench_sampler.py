@@ -127,7 +127,9 @@ def bench_sampler(args) -> dict:
     from omegaconf import OmegaConf
 
     log(f"starting Ray ({args.ray_cpus} logical CPUs) and TransferQueue ...")
-    ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=args.ray_cpus, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False
+    )
     tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
     quiet_logs()
     try:

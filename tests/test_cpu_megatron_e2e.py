@@ -93,14 +93,14 @@ def test_fsdp2_and_megatron_agree_on_step_one(megatron_sync_run, fsdp_gepo_sync_
     """The same tiny model, data, seed and (deterministic) rollouts under FSDP2: step 1 compared with Megatron's.
 
     The group term is computed by the trainer from the rollout's log-probs, and both engines send the rollout the
-    same (bf16-exact) weights, so both runs train on the same responses with the same log-probs: the lengths
-    agree exactly. The mean score (fractional scores) and the group term's step mean agree to float32 rounding only,
+    same (bf16-exact) weights, so both runs train on the same responses with the same log-probs: the lengths agree
+    exactly. The mean score (fractional scores) and the group term's step mean agree to float32 rounding only,
     because one prompt's responses reach the trainer in the order they finished on the server, and a float32 sum
-    depends on its order (one ulp, ~1e-7 relative here). The importance weights come from each engine's own forward pass (megatron-core's local
-    attention and bf16 parameters vs FSDP2's bf16 mixed precision with SDPA): per-token log-probs differ by about
-    bf16's precision (2^-8 relative, on log-probs of a few nats, partly cancelling over a response), so the
-    length-normalised log-ratios, and ``iw_mean``/``ess`` (near 1), differ by about 1e-3. Tolerance 5e-3 for them,
-    500 times the group term's: measured 4e-4 (iw_mean) and 7e-4 (ess).
+    depends on its order (one ulp, ~1e-7 relative here). The importance weights come from each engine's own forward
+    pass (megatron-core's local attention and bf16 parameters vs FSDP2's bf16 mixed precision with SDPA): per-token
+    log-probs differ by about bf16's precision (2^-8 relative, on log-probs of a few nats, partly cancelling over a
+    response), so the length-normalised log-ratios, and ``iw_mean``/``ess`` (near 1), differ by about 1e-3.
+    Tolerance 5e-3 for them, 500 times the group term's: measured 4e-4 (iw_mean) and 7e-4 (ess).
     """
     megatron, reference = megatron_sync_run["metrics"][1], fsdp_gepo_sync_run.metrics[1]
     for key in ("response_length/mean", "gepo/num_groups", "gepo/group_size_mean"):
