@@ -14,7 +14,7 @@ if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 fi
 status=0
-.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist load -m "not ray and not e2e" || status=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "not ray and not e2e" || status=$?
 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "(ray or e2e) and not solo" || status=$?
 .venv/bin/python -m pytest -q -p no:cacheprovider -m "(ray or e2e) and solo" || status=$?
 exit "$status"

@@ -20,9 +20,10 @@ Each configuration, per seed, reports ``critic/score/mean`` (the mean reward of 
   decoupled truncated IS) and ``gspo_vllm_lag`` (HeteroRL with two vLLM samplers fed by the relay, verl's gspo loss,
   answers of up to 96 tokens).
 
-What it prints, per configuration: the reward at step 1 (chance), the mean reward over the last five steps (the
-statistic the end-to-end tests bound, ``tests/learning.py``), its minimum, median and maximum over the seeds, and the
-ratio of GEPO's to verl's GRPO (same seeds, side by side). ``--png`` draws the curves (median and range over seeds).
+What it prints, per configuration: the reward at step 1 (chance: its mean and maximum over the seeds), the mean reward
+over the last five steps (the statistic the end-to-end tests bound, ``tests/learning.py``), its minimum, median and
+maximum over the seeds, and the ratio of GEPO's to verl's GRPO (same seeds, side by side). ``--png`` draws the curves
+(median and range over seeds).
 
     python bench/bench_tiny_learning.py --json docs/bench/tiny_learning.json --png docs/bench/tiny_learning.png
     python bench/bench_tiny_learning.py --configs gepo_sync gepo_lr0 --seeds 2 --steps 10     # a quick look
@@ -152,11 +153,11 @@ def summary(results: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, 
 def report(results, steps: int) -> dict:
     rows = summary(results)
     print(f"\nmean reward over the last {WINDOW} of {steps} steps, over seeds (chance: step 1)")
-    print(f"{'configuration':58} {'seeds':>5} {'step 1':>7} {'min':>6} {'median':>7} {'max':>6}")
+    print(f"{'configuration':58} {'seeds':>5} {'step 1':>7} {'(max)':>6} {'min':>6} {'median':>7} {'max':>6}")
     for name, row in rows.items():
         print(
-            f"{name:58} {row['seeds']:5d} {row['step1_mean']:7.3f} {row['last5_min']:6.3f} {row['last5_median']:7.3f} "
-            f"{row['last5_max']:6.3f}"
+            f"{name:58} {row['seeds']:5d} {row['step1_mean']:7.3f} {row['step1_max']:6.3f} {row['last5_min']:6.3f} "
+            f"{row['last5_median']:7.3f} {row['last5_max']:6.3f}"
         )
     ratios = {}
     for setting in ("sync", "lag"):

@@ -4,9 +4,11 @@
     python scripts/e2e_timing_table.py /tmp/timing.json
 
 One row per test module, seconds: its tests' wall time (set-up, calls and tear-down together), the trainer runs it
-started, and where their time went (start-up to the first step's metrics; verl's time of the later steps; deliberate
-waits the scenario declares; the rest between the first and the last step; tear-down after the last step), and what
-the module spent outside any trainer run (clusters, stores, sampler hosts, checks).
+started, and where their time went (start-up to the first step's metrics, and of it: Ray and the driver to verl's
+TaskRunner's first line, verl's learner workers, the rollout engines and the rest of verl's set-up, step 1 with its
+lazy starts, from the TaskRunner's log lines, ``tests/trainer_run.py``'s ``LANDMARKS``; verl's time of the later
+steps; deliberate waits the scenario declares; the rest between the first and the last step; tear-down after the
+last step), and what the module spent outside any trainer run (clusters, stores, sampler hosts, checks).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-COLUMNS = ("start_up", "training", "waits", "between", "tear_down")
+COLUMNS = ("start_up", "ray_and_driver", "learner", "engines", "step_1", "training", "waits", "between", "tear_down")
 
 
 def table(record: dict) -> str:
@@ -29,11 +31,14 @@ def table(record: dict) -> str:
     runs: dict[str, list[dict]] = defaultdict(list)
     for run in record["runs"]:
         runs[run["test"].split("::")[0]].append(run)
-    header = "| module | tests | wall | runs | start-up | training | waits | between | tear-down | outside runs |"
-    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    header = (
+        "| module | tests | wall | runs | start-up | (Ray, driver | learner | engines | step 1) | training | waits "
+        "| between | tear-down | outside runs |"
+    )
+    lines = [header, "|---|" + "---:|" * (len(COLUMNS) + 4)]
     totals = defaultdict(float)
     for module in sorted(wall, key=wall.get, reverse=True):
-        spent = {column: sum(run["summary"][column] for run in runs[module]) for column in COLUMNS}
+        spent = {column: sum(run["summary"].get(column, 0.0) for run in runs[module]) for column in COLUMNS}
         inside = sum(run["exited"] or 0.0 for run in runs[module])
         row = {"wall": wall[module], **spent, "outside": max(wall[module] - inside, 0.0)}
         for key, value in row.items():

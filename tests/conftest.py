@@ -17,12 +17,20 @@ pytest_plugins = ["e2e_timing"]
 #: The second phase (``ray or e2e``) runs in two lanes at once, one pytest-xdist worker each (``test.sh``: ``-n 2
 #: --dist loadgroup``): an end-to-end run's start-up leaves a core idle most of the time (one Python process importing
 #: torch and verl after another), so two runs side by side take far less than two runs one after the other. The lanes
-#: are balanced by their measured time and kept apart by what they share: every run with vLLM in one (they watch
+#: are kept apart by what they share and balanced by their measured time: every run with vLLM in one (they watch
 #: /dev/shm, which another vLLM run would write to, and two vLLM runs at once would use most of this machine's memory),
-#: the rest in the other, whose session fixtures (the FSDP2 run Megatron's is compared with) are computed once.
+#: the other trainer runs in the other, whose session fixtures (the FSDP2 run Megatron's is compared with) are computed
+#: once; short Ray modules fill both up to the same time.
 #: Modules not named here are SOLO or in phase one.
 LANES = {
-    "vllm": ("test_vllm_e2e", "test_remote_e2e", "test_vllm_cpu", "test_remote_sampler"),
+    "vllm": (
+        "test_vllm_e2e",
+        "test_remote_e2e",
+        "test_vllm_cpu",
+        "test_remote_sampler",
+        "test_registration",
+        "test_cpu_rollout",
+    ),
     "trainer": (
         "test_cpu_e2e",
         "test_cpu_megatron_e2e",
@@ -32,10 +40,8 @@ LANES = {
         "test_hetero_sampler",
         "test_hetero_differential",
         "test_hetero_server_identity",
-        "test_cpu_rollout",
         "test_mailbox_placement",
         "test_learner_placement",
-        "test_registration",
         "test_lab_cli",
         "test_gepo_padding",
     ),

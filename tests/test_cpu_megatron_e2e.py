@@ -21,7 +21,8 @@ import pytest
 import torch
 from chaos import check_every_step
 from cpu_runs import MEGATRON, MODELLED_GPU, PROMPTS, RESPONSES, gepo_sync_overrides, megatron_hetero_overrides
-from learning import STEPS_TO_LEARN, assert_does_not_learn, assert_learns
+from learning import STEPS_TO_LEARN_BESIDE_A_FROZEN_GROUP as HETERO_STEPS
+from learning import assert_does_not_learn, assert_learns
 from trainer_run import complete_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.megatron]
@@ -116,22 +117,22 @@ def test_fsdp2_and_megatron_agree_on_step_one(megatron_sync_run, fsdp_gepo_sync_
 
 
 #: above the run's length: the frozen group's rollouts stay trainable, so its reward is measured at every step
-HETERO_MAX_LAG = STEPS_TO_LEARN + 1
+HETERO_MAX_LAG = HETERO_STEPS + 1
 LIVE, FROZEN = "hetero/sampler_group_0/", "hetero/sampler_group_1/"
 
 
 @pytest.fixture(scope="module")
 def hetero_run(tiny, shared_cluster, tmp_path_factory):
     """HeteroRL on separate_async with the Megatron learner (``cpu_runs.megatron_hetero_overrides``): group 0
-    receives each version 2 s late, group 1 never; STEPS_TO_LEARN steps, checkpoint at the last."""
+    receives each version 2 s late, group 1 never; HETERO_STEPS steps, checkpoint at the last."""
     workdir = tmp_path_factory.mktemp("megatron_hetero")
-    overrides = [*megatron_hetero_overrides(tiny, workdir, STEPS_TO_LEARN), *shared_cluster.join_overrides()]
+    overrides = [*megatron_hetero_overrides(tiny, workdir, HETERO_STEPS), *shared_cluster.join_overrides()]
     return complete_run("megatron hetero", overrides, workdir / "run", env=shared_cluster.env)
 
 
 def test_hetero_separate_async_with_a_megatron_learner_keeps_its_books_and_installs_megatron_snapshots(hetero_run):
     metrics, log = hetero_run.metrics, hetero_run.log
-    assert sorted(metrics) == list(range(1, STEPS_TO_LEARN + 1))
+    assert sorted(metrics) == list(range(1, HETERO_STEPS + 1))
     assert "'strategy': 'megatron'" in log and "HeteroReplayBuffer" in log
     # the delayed group's weights come from the learner's Megatron snapshots (verl's save_model_to_cpu with the
     # megatron strategy calls copy_megatron_model_to_cpu, which runs through this patch on the CPU)
@@ -144,18 +145,18 @@ def test_hetero_separate_async_with_a_megatron_learner_keeps_its_books_and_insta
         assert m[f"{FROZEN}weight_version"] == 0, step  # never installs a version
     versions = {step: m[f"{LIVE}weight_version"] for step, m in metrics.items()}
     assert any(version < step - 1 for step, version in versions.items()), versions  # it lags behind ...
-    assert max(versions.values()) >= STEPS_TO_LEARN // 2, versions  # ... and installs delayed snapshots
-    assert max(m["hetero/lag/max"] for m in metrics.values()) >= STEPS_TO_LEARN // 2  # the frozen group's lag grew
+    assert max(versions.values()) >= HETERO_STEPS // 2, versions  # ... and installs delayed snapshots
+    assert max(m["hetero/lag/max"] for m in metrics.values()) >= HETERO_STEPS // 2  # the frozen group's lag grew
     state = json.loads(
-        (hetero_run.workdir.parent / "checkpoints" / f"global_step_{STEPS_TO_LEARN}" / "hetero.json").read_text()
+        (hetero_run.workdir.parent / "checkpoints" / f"global_step_{HETERO_STEPS}" / "hetero.json").read_text()
     )
-    assert state["replay_buffer"]["ledger"]["trained"] == metrics[STEPS_TO_LEARN]["hetero/trained"]
+    assert state["replay_buffer"]["ledger"]["trained"] == metrics[HETERO_STEPS]["hetero/trained"]
     assert state["rollout_latency"] == MODELLED_GPU
 
 
 def test_the_megatron_learner_learns_from_a_delayed_sampler(hetero_run):
-    """The group that receives the weights (2 s late, up to two versions behind) climbs from chance; so does the
-    trained batch as a whole (half of it from the frozen group, weighted by GEPO)."""
+    """The group that receives the weights (2 s late, up to two versions behind) climbs from chance, while half of
+    every trained batch comes from the frozen group."""
     assert_learns(hetero_run.metrics, f"{LIVE}reward_mean")
 
 

@@ -23,8 +23,16 @@ from e2e_timing import record_timeline
 
 from gepo_plugin.tiny import read_metrics
 
-#: How often the background reader looks at the metrics file (seconds): the resolution of the step arrivals.
+#: How often the background reader looks at the metrics file and the log (seconds): the resolution of the timeline.
 READ_EVERY_S = 0.25
+#: Lines of verl 0.9.1's TaskRunner that split a run's start-up, in the order they come: the TaskRunner's first line
+#: (Ray started or joined, the driver's imports), its learner built (FSDP2 or Megatron workers), everything else
+#: built (the rollout engines: vLLM, the transformers server; the checkpoint engine, the reward loop).
+LANDMARKS = {
+    "task_runner": "(TaskRunner",
+    "learner": "actor and ref model engine initialized",
+    "engines": "all initialize finished, ready to fit",
+}
 
 
 @dataclass
@@ -36,7 +44,17 @@ class Timeline:
     step_seconds: dict[int, float] = field(default_factory=dict)
     marks: list[tuple[str, float]] = field(default_factory=list)
     waits: list[tuple[str, float]] = field(default_factory=list)
+    landmarks: dict[str, float] = field(default_factory=dict)
     exited: float | None = None
+
+    def start_up_parts(self) -> dict[str, float] | None:
+        """Start-up split at :data:`LANDMARKS`: Ray and the driver, the learner, the engines, step 1 (its lazy starts
+        included); None when the log did not show every landmark (a run that failed early)."""
+        if not self.steps or any(name not in self.landmarks for name in LANDMARKS):
+            return None
+        at = [0.0, *(self.landmarks[name] for name in LANDMARKS), self.steps[min(self.steps)]]
+        names = ("ray_and_driver", "learner", "engines", "step_1")
+        return {name: max(end - start, 0.0) for name, start, end in zip(names, at[:-1], at[1:], strict=True)}
 
     def summary(self) -> dict[str, float]:
         """Start-up (launch to the first step's metrics: Ray, verl's workers, the engines, step 1 and its lazy
@@ -50,6 +68,7 @@ class Timeline:
         span = self.steps[last] - self.steps[first]
         return {
             "start_up": self.steps[first],
+            **(self.start_up_parts() or {}),
             "training": training,
             "waits": waits,
             "between": max(span - training - waits, 0.0),
@@ -90,6 +109,7 @@ class TrainerRun:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its process group: a run that outlives its test is ended whole
         )
+        self._log_offset, self._log_tail = 0, ""
         self._stop_reading = threading.Event()
         self._reader = threading.Thread(target=self._read, name=f"metrics-{name}", daemon=True)
         self._reader.start()
@@ -103,7 +123,21 @@ class TrainerRun:
     def _read(self) -> None:
         while not self._stop_reading.is_set():
             self._note_steps()
+            if len(self.timeline.landmarks) < len(LANDMARKS):
+                self._note_landmarks()
             self._stop_reading.wait(READ_EVERY_S)
+
+    def _note_landmarks(self) -> None:
+        """The first time each of :data:`LANDMARKS` shows in the log (read on from where the last look stopped)."""
+        with self.log_path.open("rb") as log:
+            log.seek(self._log_offset)
+            raw = log.read()
+        self._log_offset += len(raw)
+        text, now = self._log_tail + raw.decode(errors="replace"), self._now()
+        for name, line in LANDMARKS.items():
+            if name not in self.timeline.landmarks and line in text:
+                self.timeline.landmarks[name] = now
+        self._log_tail = text[-200:]  # a landmark split across two reads
 
     def _note_steps(self) -> dict[int, dict]:
         metrics = read_metrics(self.metrics_path)
