@@ -58,7 +58,7 @@ def lane_of(nodeid: str) -> str | None:
     return next((lane for lane, modules in LANES.items() if module in modules), None)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True)  # before `-m` reads the marks
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if (item.get_closest_marker("ray") or item.get_closest_marker("e2e")) and item.path.stem in SOLO:
