@@ -1,8 +1,8 @@
 """verl's real trainer with samplers outside its Ray cluster: GEPO on separate_async, a mixed fleet, two liars, faults.
 
-One scenario, run once for every claim of its tests. The learner's Ray cluster runs one in-cluster sampler group (the
-CPU backend's transformers server, in float32); three more groups are sampler hosts started by the test as ordinary
-processes outside Ray, before the learner, as an operator would (``python -m gepo_plugin sampler`` through
+One scenario, run once for every claim of its tests. The learner's Ray cluster runs one in-cluster sampler group (verl's
+vLLM rollout, vLLM's CPU build in float32, a 64 MiB KV cache); three more groups are sampler hosts started by the test
+as ordinary processes outside Ray, before the learner, as an operator would (``python -m gepo_plugin sampler`` through
 ``examples/remote/sampler_host.sh``: vLLM's CPU build on localhost, no Ray variable in its environment), each following
 the relay from moto's S3 server (the usual AWS environment variables, read-only use), verifying manifests with the
 learner's Ed25519 public key, and dialling the learner's gateway. Two of them lie (``tests/lying_host.py``, the real
@@ -10,14 +10,14 @@ host with one lie each): ``shifted`` sends log-probs shifted by 0.01 (what a sam
 sends), ``greedy`` decodes greedily and reports its results as sampled at temperature 1 (its log-probs are honest).
 Nothing is mocked.
 
-* **the bound and the books** at every step, on-policy (``max_lag=0``): the rollout's log-probs agree with the
-  learner's to float32 rounding at every step (``rollout/fresh_logprob_gap``): the in-cluster group's installs from the
-  store, and the honest host's vLLM, which installs each version from the store too (the hosts dial in before the
-  first step, so from the first step on);
-* **the audit** (``hetero.audit``, fraction 1, hold): the honest sampler passes every audit with float32 rounding's
-  gap; ``shifted``'s audits all disagree and it is quarantined at its second, nothing of it trained; ``greedy``'s pass
-  one by one (so they are trained) until the sampling test has seen enough PITs; each liar is retired as quarantined,
-  refused for the rest of the run (its host stops, saying why), and training goes on;
+* **the bound and the books** at every step, on-policy (``max_lag=0``): the rollout's log-probs agree with the learner's
+  to float32 rounding at every step (``rollout/fresh_logprob_gap``): the in-cluster vLLM's installs from the store (so
+  every version the relay delivered reached verl's vLLM rollout), and the honest host's vLLM, which installs each
+  version from the store too (the hosts dial in before the first step, so from the first step on);
+* **the audit** (``hetero.audit``, fraction 1, hold): the honest sampler passes every audit with float32 rounding's gap;
+  ``shifted``'s audits all disagree and it is quarantined at its second, nothing of it trained; ``greedy``'s pass one by
+  one (so they are trained) until the sampling test has seen enough PITs; each liar is retired as quarantined, refused
+  for the rest of the run (its host stops, saying why), and training goes on;
 * **learning**: the batch's reward climbs from chance, and the honest remote sampler's with it;
 * **faults**: the honest host SIGKILLed mid-run (retired as died, the run goes on), started again (it rejoins from the
   newest keyframe without a learner restart and its rollouts are trained again); then its network cut (a TCP proxy
@@ -34,14 +34,14 @@ import signal
 import time
 
 import pytest
-from chaos import check_every_step, hetero_overrides
+from chaos import check_every_step
 from free_ports import free_port
 from learning import LEARNED, STEPS_TO_LEARN_ON_POLICY, WINDOW, assert_learns, curve
 from outage_proxy import OutageProxy
 from relay_fixtures import s3_server
-from remote_hosts import start_host, stop
+from remote_hosts import KV_CACHE_BYTES, start_host, stop
 from trainer_run import TrainerRun
-from vllm_runs import FP32_GAP, GAP
+from vllm_runs import FP32_GAP, GAP, vllm_hetero_overrides
 
 from gepo_plugin.hetero.audit.book import LOG_PROBS, SAMPLING
 from gepo_plugin.hetero.relay.signing import generate_pair
@@ -63,6 +63,7 @@ HONEST = "honest"
 #: sampler name -> its lie (tests/lying_host.py) and the audit's test that should catch it
 LIARS = {"shifted": ("shifted", LOG_PROBS), "greedy": ("greedy", SAMPLING)}
 #: the groups: the in-cluster one is 0, then each remote sampler's own, in hetero.remote_samplers' order
+IN_CLUSTER = 0
 GROUPS = {HONEST: 1, **{name: 2 + index for index, name in enumerate(LIARS)}}
 REMOTE = "hetero/remote/"
 DIED = "hetero/sampler_failures/died"
@@ -109,11 +110,10 @@ def scenario(tmp_path_factory):
         honest = [start_host(through_proxy, HONEST, token, public, tiny["model"], url, options, tmp_path / "h1")]
         entries = ",".join(f"{{name:{name},token_env:{TOKEN_ENV}}}" for name in GROUPS)
         overrides = [
-            *hetero_overrides(tiny, tmp_path, 2000, samplers=1, learners=1, max_lag=0),  # one in-cluster group
-            # decoupled mode: the learner recomputes log-probs, so every sampler's can be checked against them; the
-            # learner in float32, like the in-cluster transformers server and the hosts' vLLM
-            "algorithm.rollout_correction.bypass_mode=false",
-            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+            # one in-cluster group: verl's vLLM rollout in float32 (the learner too), its KV cache as small as a host's
+            *vllm_hetero_overrides(tiny, tmp_path, 2000, max_lag=0),
+            "actor_rollout_ref.rollout.n_gpus_per_node=1",
+            f"+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes={KV_CACHE_BYTES}",
             "hetero.transport=relay",
             f"hetero.relay.url={url}",
             f"+hetero.relay.storage_options.client_kwargs.endpoint_url={options['client_kwargs']['endpoint_url']}",
@@ -175,8 +175,8 @@ def scenario(tmp_path_factory):
 
 def test_every_step_keeps_the_books_and_agrees_with_the_learner_on_policy(scenario):
     """Every step (but the one the stop cut short) balances its books with lag 0, and the rollout's log-probs agree
-    with the learner's to float32 rounding: the in-cluster transformers server's installs from the store, and from
-    its first trained step the remote hosts' vLLM installs from the store too."""
+    with the learner's to float32 rounding: the in-cluster vLLM's installs from the store, and from its first trained
+    step the remote hosts' vLLM installs from the store too."""
     metrics = scenario["metrics"]
     steps = sorted(metrics)
     assert steps == list(range(1, steps[-1] + 1))
@@ -185,10 +185,12 @@ def test_every_step_keeps_the_books_and_agrees_with_the_learner_on_policy(scenar
     for step, m in complete.items():
         assert m[f"{GAP}tokens"] > 0 and math.isfinite(m[f"{GAP}max"]), (step, m)
         assert m[f"{GAP}max"] < FP32_GAP, (step, m[f"{GAP}max"])
+        # the in-cluster vLLM's rollouts are in every step's batch: lag 0, so it installed every version in time
+        assert m[f"hetero/sampler_group_{IN_CLUSTER}/trained_trajectories"] > 0, (step, m)
     # every version went through the store, pulled by the in-cluster sampler with every digest checked
     final = last(complete)
     assert final["hetero/relay/versions_published"] >= steps[-1] - 2, final
-    assert final["hetero/relay/samplers/versions_pulled"] >= 1, final
+    assert final["hetero/relay/samplers/versions_pulled"] >= steps[-1] - 2, final
     assert final.get("hetero/relay/samplers/digest_mismatches", 0) == 0, final
 
 

@@ -72,6 +72,24 @@ def test_sleep_mode_on_a_cpu_is_refused_naming_the_key(key):
         settled_config([*CPU_RUN, f"{ROLLOUT}.name=vllm", f"{prefix}{ROLLOUT}.{key}=true"])
 
 
+@needs_vllm
+def test_a_kv_cache_sized_in_bytes_reaches_vllm_and_sized_twice_is_refused(monkeypatch):
+    """vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE win over ``kv_cache_memory_bytes`` (and an empty one fails the
+    engine's start): sized in bytes, the engines get no variable; the variable set as well is refused, naming both."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    in_bytes = [*CPU_RUN, f"{ROLLOUT}.name=vllm", f"+{ROLLOUT}.engine_kwargs.vllm.kv_cache_memory_bytes=67108864"]
+    config = settled_config(in_bytes)
+    env = OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars")
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert OmegaConf.select(config, f"{ROLLOUT}.engine_kwargs.vllm.kv_cache_memory_bytes") == 64 << 20
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    with pytest.raises(PluginConfigError, match=r"kv_cache_memory_bytes and VLLM_CPU_KVCACHE_SPACE='2' .* Fix: unset"):
+        settled_config(in_bytes)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    with pytest.raises(PluginConfigError, match=r"VLLM_CPU_KVCACHE_SPACE='' \(from ray_kwargs"):
+        settled_config([*in_bytes, "++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE=''"])
+
+
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code],

@@ -7,15 +7,16 @@ and then :func:`check_vllm_cpu` refuses what cannot work, before Ray starts. Two
 * requirements: vLLM's CPU platform has no sleep mode, so verl must neither ask for it nor free the KV cache
   between steps (an explicit other value is refused);
 * defaults chosen for a CPU, which the user may override: eager mode (no graph capture on a CPU), float32
-  (see :data:`ROLLOUT_DTYPE`), a 64 MB weight-update bucket, a KV cache of ``VLLM_CPU_KVCACHE_SPACE`` GiB,
-  a context as long as a prompt and its response, and batch limits that fit a laptop.
+  (see :data:`ROLLOUT_DTYPE`), a 64 MB weight-update bucket, a KV cache of ``VLLM_CPU_KVCACHE_SPACE`` GiB (or of
+  ``engine_kwargs.vllm.kv_cache_memory_bytes``, the variable then unset), a context as long as a prompt and its
+  response, and batch limits that fit a laptop.
 """
 
 from __future__ import annotations
 
 import os
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from gepo_plugin import config_keys as keys
 from gepo_plugin import versions
@@ -32,6 +33,8 @@ FREE_CACHE_ENGINE = f"{keys.ROLLOUT}.free_cache_engine"
 ROLLOUT_DTYPE_KEY = f"{keys.ROLLOUT}.dtype"
 BUCKET_MB = f"{keys.ROLLOUT}.checkpoint_engine.update_weights_bucket_megabytes"
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+#: vLLM's engine argument that sizes the KV cache in bytes (the variable above takes whole GiB only)
+KV_CACHE_BYTES_KEY = f"{keys.ROLLOUT}.engine_kwargs.vllm.kv_cache_memory_bytes"
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 REQUIREMENTS = (
@@ -51,6 +54,11 @@ BUCKET_SIZE_MB = 64
 KV_CACHE_GIB = "1"
 
 
+def env(variable: str) -> str:
+    """The config key of an environment variable verl hands every Ray worker of the run."""
+    return f"{keys.RAY_ENV_VARS}.{variable}"
+
+
 def vllm_selected(config: DictConfig) -> bool:
     """A CPU run with verl's vLLM rollout."""
     return uses_vllm_rollout(config)
@@ -62,17 +70,40 @@ def vllm_cpu_settings(config: DictConfig) -> dict[str, object]:
         return {}
     rollout = config.actor_rollout_ref.rollout
     context = int(rollout.prompt_length) + int(rollout.response_length)
-    return as_settings(REQUIREMENTS) | {
-        f"{keys.ROLLOUT}.enforce_eager": True,
-        ROLLOUT_DTYPE_KEY: ROLLOUT_DTYPE,
-        BUCKET_MB: BUCKET_SIZE_MB,
-        f"{keys.ROLLOUT}.max_model_len": context,  # verl's default is the model's whole position range
-        f"{keys.ROLLOUT}.max_num_seqs": 64,
-        f"{keys.ROLLOUT}.max_num_batched_tokens": max(2048, context),
-        f"{keys.RAY_ENV_VARS}.{KV_CACHE_ENV}": os.environ.get(KV_CACHE_ENV, KV_CACHE_GIB),
-        # vLLM's automatic binding pins every engine's one thread to core 0: two samplers would share it
-        f"{keys.RAY_ENV_VARS}.{THREADS_BIND_ENV}": os.environ.get(THREADS_BIND_ENV, "nobind"),
-    }
+    # the variable, where the user did not size the cache in bytes: vLLM's CPU platform lets it win over the argument
+    kv_cache = {} if sized_in_bytes(config) else {env(KV_CACHE_ENV): os.environ.get(KV_CACHE_ENV, KV_CACHE_GIB)}
+    return (
+        as_settings(REQUIREMENTS)
+        | kv_cache
+        | {
+            f"{keys.ROLLOUT}.enforce_eager": True,
+            ROLLOUT_DTYPE_KEY: ROLLOUT_DTYPE,
+            BUCKET_MB: BUCKET_SIZE_MB,
+            f"{keys.ROLLOUT}.max_model_len": context,  # verl's default is the model's whole position range
+            f"{keys.ROLLOUT}.max_num_seqs": 64,
+            f"{keys.ROLLOUT}.max_num_batched_tokens": max(2048, context),
+            # vLLM's automatic binding pins every engine's one thread to core 0: two samplers would share it
+            env(THREADS_BIND_ENV): os.environ.get(THREADS_BIND_ENV, "nobind"),
+        }
+    )
+
+
+def sized_in_bytes(config: DictConfig) -> bool:
+    """The user sized vLLM's KV cache with the engine argument (the variable takes whole GiB only)."""
+    return OmegaConf.select(config, KV_CACHE_BYTES_KEY) is not None
+
+
+def _refuse_two_kv_cache_sizes(config: DictConfig) -> None:
+    """The KV cache sized twice: vLLM's CPU platform would silently take the variable's whole GiB (and an empty one
+    fails the engine's start: vLLM reads it with ``int()``)."""
+    env_key = env(KV_CACHE_ENV)
+    space = OmegaConf.select(config, env_key, default=os.environ.get(KV_CACHE_ENV))
+    if sized_in_bytes(config) and space is not None:
+        raise PluginConfigError(
+            f"{KV_CACHE_BYTES_KEY} and {KV_CACHE_ENV}={space!r} (from {keys.RAY_ENV_VARS} or the environment) both "
+            "size vLLM's KV cache, and vLLM's CPU platform lets the variable win. Fix: unset "
+            f"{KV_CACHE_ENV} (in the environment and {env_key}) to size it in bytes, or drop {KV_CACHE_BYTES_KEY}."
+        )
 
 
 def _install_problem() -> str | None:
@@ -95,3 +126,4 @@ def check_vllm_cpu(config: DictConfig) -> None:
             f"drop {keys.ROLLOUT_NAME}=vllm to generate with the plugin's transformers server."
         )
     refuse_contradictions(config, REQUIREMENTS, f"{keys.ROLLOUT_NAME}=vllm on trainer.device=cpu")
+    _refuse_two_kv_cache_sizes(config)
