@@ -34,14 +34,14 @@ def run(args) -> dict:
 
     from gepo_plugin.hetero.audit.settings import AuditConfig
     from gepo_plugin.hetero.audit.thresholds import FLOAT32_TAU
-    from gepo_plugin.hetero.relay.publisher import RelayPublisher
-    from gepo_plugin.hetero.relay.settings import RelayConfig
-    from gepo_plugin.hetero.relay.signing import Signer, generate_pair
-    from gepo_plugin.hetero.relay.store import open_store
-    from gepo_plugin.hetero.remote.protocol import GenerateRequest
-    from gepo_plugin.sampler_host.engine import VLLMEngine
     from gepo_plugin.tiny import write_all
     from gepo_plugin.verl_glue.hetero.remote.auditor import RemoteAuditor
+    from gepo_sampler.host.engine import VLLMEngine
+    from gepo_sampler.relay.publisher import RelayPublisher
+    from gepo_sampler.relay.settings import RelayConfig
+    from gepo_sampler.relay.signing import Signer, generate_pair
+    from gepo_sampler.relay.store import open_store
+    from gepo_sampler.remote.protocol import GenerateRequest
 
     record: dict = {"lengths": {}, "requests": args.requests, "concurrency": args.concurrency}
     with tempfile.TemporaryDirectory(prefix="bench_audit_") as tmp:

@@ -35,11 +35,11 @@ import torch
 from common import add_output_options, write_json
 from tqdm import tqdm
 
-from gepo_plugin.hetero.relay import codec
-from gepo_plugin.hetero.relay.publisher import RelayPublisher
-from gepo_plugin.hetero.relay.puller import RelayPuller
-from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.store import RelayStore
+from gepo_sampler.relay import codec
+from gepo_sampler.relay.publisher import RelayPublisher
+from gepo_sampler.relay.puller import RelayPuller
+from gepo_sampler.relay.settings import RelayConfig
+from gepo_sampler.relay.store import RelayStore
 
 GB = 1e9
 #: parameters of the models whose transfer time is projected (bf16: 2 bytes each)

@@ -1,6 +1,6 @@
 """Benchmark: one vLLM engine reached directly and through the remote sampler's path (gateway, proxy, host).
 
-A sampler host (``python -m gepo_plugin sampler``: vLLM's CPU build on localhost, outside Ray) joins a relay run
+A sampler host (``python -m gepo_sampler``: vLLM's CPU build on localhost, outside Ray) joins a relay run
 whose weights are in moto's S3 server, and the learner's side runs as in a HeteroRL run: the gateway and the
 sampler's proxy as Ray actors. The same requests (``--concurrency`` at a time, ``--requests`` in all, token ids in,
 ``--lengths`` new tokens each) are sent two ways, interleaved per length (``--repeats`` times each, after one
@@ -45,13 +45,13 @@ def run(args) -> dict:
     from remote_hosts import free_port, start_host, stop, wait_for
     from safetensors.torch import load_file
 
-    from gepo_plugin.hetero.relay.publisher import RelayPublisher
-    from gepo_plugin.hetero.relay.signing import Signer, generate_pair
-    from gepo_plugin.hetero.relay.store import open_store
-    from gepo_plugin.hetero.remote.protocol import GenerateRequest, Result, VersionWindow
     from gepo_plugin.hetero.settings import parse_hetero
     from gepo_plugin.tiny import write_all
     from gepo_plugin.verl_glue.hetero.remote.members import RemoteSamplers
+    from gepo_sampler.relay.publisher import RelayPublisher
+    from gepo_sampler.relay.signing import Signer, generate_pair
+    from gepo_sampler.relay.store import open_store
+    from gepo_sampler.remote.protocol import GenerateRequest, Result, VersionWindow
 
     private, public = generate_pair()
     token = secrets.token_urlsafe(24)

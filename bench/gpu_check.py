@@ -1,9 +1,10 @@
 """Checks GEPO's losses and the weight relay's codec on a GPU: float64-checked results, speed beside GSPO, GB/s.
 
-Why it exists: the plugin's maths (``gepo_plugin/maths``) and the relay's codec (``gepo_plugin/hetero/relay/codec.py``)
-are framework-free, but the test suite runs them on CPUs only. A lent GPU machine has PyTorch and CUDA and none of
-verl, Ray, vLLM, Hydra or OmegaConf, and only 64 MiB travel to it, so this script uses torch (plus numpy and
-safetensors, which that machine has) and the repository's own framework-free modules, and nothing else:
+Why it exists: the plugin's maths (``gepo_plugin/maths``) and the relay's codec
+(``sampler/gepo_sampler/relay/codec.py``) are framework-free, but the test suite runs them on CPUs only. A lent GPU
+machine has PyTorch and CUDA and none of verl, Ray, vLLM, Hydra or OmegaConf, and only 64 MiB travel to it, so this
+script uses torch (plus numpy and safetensors, which that machine has) and the repository's own framework-free modules,
+and nothing else:
 
 1. correctness: GEPO's and GEPO+'s (hard and soft) loss and its gradient with respect to ``log_prob``, on the device
    in float32 and bfloat16, against a float64 CPU reference of the same functions on the same input values (grouped
@@ -171,10 +172,11 @@ class Kit:
 
 
 def import_framework_free() -> Kit:
-    """Import ``gepo_plugin.maths.gepo``, ``.gepo_plus`` and ``gepo_plugin.hetero.relay.codec`` from this checkout,
+    """Import ``gepo_plugin.maths.gepo``, ``.gepo_plus`` and ``gepo_sampler.relay.codec`` from this checkout,
     first standing in for whichever of :data:`STAND_INS` is not installed."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    for folder in (ROOT, ROOT / "sampler"):  # gepo_plugin, and gepo_sampler (the relay's codec)
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
     stand_ins = {}
     for name, (purpose, make) in STAND_INS.items():
         try:
@@ -185,7 +187,7 @@ def import_framework_free() -> Kit:
     try:
         gepo = importlib.import_module("gepo_plugin.maths.gepo")
         gepo_plus = importlib.import_module("gepo_plugin.maths.gepo_plus")
-        codec = importlib.import_module("gepo_plugin.hetero.relay.codec")
+        codec = importlib.import_module("gepo_sampler.relay.codec")
     except ImportError as error:
         raise SystemExit(
             f"gpu_check: importing the plugin's framework-free modules failed: {error!r}. If a new module-level "

@@ -15,6 +15,7 @@ from sphinx.ext import napoleon
 DOCS = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS / "_ext"))
 sys.path.insert(0, str(DOCS.parent))
+sys.path.insert(0, str(DOCS.parent / "sampler"))  # gepo_sampler: the sampler host's distribution
 
 from gepo_plugin import __version__ as release  # noqa: E402
 
@@ -79,4 +80,5 @@ nitpick_ignore_regex = [
     (r"py:class", r"\w+=.*"),
     # the verl glue and the tools are not part of the Python API pages; their names in docstrings stay text
     (r"py:.*", r"gepo_plugin\.(verl_glue|lab|cpu_backend)\..*"),
+    (r"py:.*", r"gepo_sampler\.host\b.*"),
 ]

@@ -1,4 +1,4 @@
-"""``python -m gepo_plugin <command>``: doctor, demo, presets, sampler, keygen."""
+"""``python -m gepo_plugin <command>``: doctor, demo, presets, keygen (a sampler host: ``python -m gepo_sampler``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import argparse
 import sys
 
 from gepo_plugin import doctor
-from gepo_plugin.sampler_host import cli as sampler_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,13 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--micro-batches", type=int, default=4, help="micro-batches the shuffled rows are split into (default 4)"
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed of the synthetic batch (default 0)")
-    sampler_cli.add_arguments(
-        sub.add_parser(
-            "sampler",
-            help="run a sampler outside the learner's cluster: vLLM on this machine, joined to a run by URL (no Ray)",
-            description=sampler_cli.__doc__.split("\n\n")[1],
-        )
-    )
     sub.add_parser(
         "keygen",
         help="print a new Ed25519 key pair for hetero.relay.signing_key_env / hetero.relay.public_key",
@@ -81,10 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(prompts=args.prompts, responses=args.responses, micro_batches=args.micro_batches, seed=args.seed)
     if args.command == "presets":
         return print_presets()
-    if args.command == "sampler":
-        return sampler_cli.run(args)
     if args.command == "keygen":
-        from gepo_plugin.hetero.relay.signing import generate_pair  # lazy: cryptography, for this command only
+        from gepo_sampler.relay.signing import generate_pair  # lazy: cryptography, for this command only
 
         private, public = generate_pair()
         print(f"private key (learner's node only, e.g. export GEPO_RELAY_SIGNING_KEY=...): {private}")

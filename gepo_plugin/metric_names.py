@@ -188,6 +188,7 @@ METRICS: tuple[Metric, ...] = (
     Metric(REMOTE + "{sampler}/silent_s", "seconds since it was last heard from"),
     Metric(REMOTE + "{sampler}/unauthorised", "calls in its name with a wrong or missing token (refused)"),
     Metric(REMOTE + "{sampler}/malformed", "calls in its name whose body was not a valid message (refused)"),
+    Metric(REMOTE + "{sampler}/protocol", "hellos in its name from a host of another protocol version (refused)"),
     Metric(REMOTE + "unknown_sampler", "calls for a sampler name hetero.remote_samplers does not list (refused)"),
     # the audit of remote samplers (hetero.audit), per sampler name
     Metric(REMOTE + "{sampler}/audited", "its results selected for an audit (hetero.audit.fraction)"),

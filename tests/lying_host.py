@@ -1,6 +1,6 @@
 """A sampler host that lies, for the audit's end-to-end tests: the real host (vLLM and all), one lie on its work.
 
-    python tests/lying_host.py <lie> <the arguments of `python -m gepo_plugin sampler`>
+    python tests/lying_host.py <lie> <the arguments of `python -m gepo_sampler`>
 
 Everything else (the relay, installs, versions, the protocol) is the real host's; the learner sees only what a
 dishonest or misconfigured sampler would send:
@@ -17,10 +17,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from gepo_plugin.hetero.remote.protocol import Result
-from gepo_plugin.sampler_host import engine as engine_module
-from gepo_plugin.sampler_host import host as host_module
-from gepo_plugin.sampler_host.cli import main
+from gepo_sampler.host import engine as engine_module
+from gepo_sampler.host import host as host_module
+from gepo_sampler.host.cli import main
+from gepo_sampler.remote.protocol import Result
 
 
 def _results(change: Callable[[Result], Result]) -> Callable[[], None]:

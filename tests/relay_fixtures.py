@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
-from gepo_plugin.hetero.relay.store import RelayStore, RetryPolicy
+from gepo_sampler.relay.store import RelayStore, RetryPolicy
 
 FAST_RETRY = RetryPolicy(attempts=3, first_delay_s=0.01, max_delay_s=0.05)
 

@@ -1,27 +1,42 @@
-"""Sampler hosts for the remote-sampler tests: ``python -m gepo_plugin sampler`` as an ordinary process outside Ray,
+"""Sampler hosts for the remote-sampler tests: ``python -m gepo_sampler`` as an ordinary process outside Ray,
 started through ``examples/remote/sampler_host.sh`` as an operator would.
 
-Each host is started in its own process group with nothing of a Ray cluster in its environment (no ``RAY_*``
-variable), exactly as an operator starts one on another machine; the tests talk to it only through the learner's
-gateway (it dials out) and the store. A test helper, not shipped.
+Each host runs from its own environment, ``.venv-host`` (``scripts/bootstrap_host.sh``: vLLM's newest CPU build and
+gepo-sampler, nothing of the learner's stack; ``import ray`` fails there), in its own process group with nothing of a
+Ray cluster in its environment (no ``RAY_*`` variable), exactly as an operator starts one on another machine; the
+tests talk to it only through the learner's gateway (it dials out) and the store. A test helper, not shipped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from free_ports import free_port
 
+ROOT = Path(__file__).resolve().parents[1]
 #: what a remote machine runs to start a host (an honest one)
-SAMPLER_HOST_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "remote" / "sampler_host.sh"
+SAMPLER_HOST_SCRIPT = ROOT / "examples" / "remote" / "sampler_host.sh"
+#: the sampler host's own environment, and the script that sets it up (idempotent)
+HOST_VENV, HOST_BOOTSTRAP = ROOT / ".venv-host", ROOT / "scripts" / "bootstrap_host.sh"
+
+
+@functools.cache
+def host_python() -> Path:
+    """The host environment's interpreter, set up first where it is missing or stale (test.sh sets it up before the
+    end-to-end runs; a test run on its own pays the install once)."""
+    done = subprocess.run(["bash", str(HOST_BOOTSTRAP)], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, f"{HOST_BOOTSTRAP} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    return HOST_VENV / "bin" / "python"
+
+
 #: vLLM's CPU build, one engine per host: no thread pinning (two engines would share a core), and no KV-cache size
 #: from the environment (VLLM_CPU_KVCACHE_SPACE takes whole GiB and wins over the command line): see KV_CACHE_BYTES.
 CPU_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -66,7 +81,7 @@ def start_host(
     ]
     if lie is None:
         env.update(
-            PYTHON=sys.executable,
+            PYTHON=str(host_python()),
             GATEWAY_URL=gateway,
             SAMPLER_NAME=name,
             RELAY_PUBLIC_KEY=public_key,
@@ -79,7 +94,7 @@ def start_host(
         command = ["bash", str(SAMPLER_HOST_SCRIPT), *engine]
     else:
         command = [
-            sys.executable,
+            str(host_python()),
             str(Path(__file__).with_name("lying_host.py")),
             lie,
             *("--gateway", gateway, "--name", name, "--public-key", public_key, "--model", model),

@@ -19,10 +19,6 @@ from safetensors.torch import load_file
 from gepo_plugin.hetero.audit.book import LOG_PROBS, SAMPLING
 from gepo_plugin.hetero.audit.settings import AuditConfig
 from gepo_plugin.hetero.audit.thresholds import FLOAT32_TAU
-from gepo_plugin.hetero.relay.publisher import RelayPublisher
-from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.signing import Signer, generate_pair
-from gepo_plugin.hetero.relay.store import open_store
 from gepo_plugin.tiny import CHARACTERS, SPECIAL_TOKENS, write_all
 from gepo_plugin.verl_glue.hetero.remote.auditor import (
     AuditClient,
@@ -31,6 +27,10 @@ from gepo_plugin.verl_glue.hetero.remote.auditor import (
     RemoteAuditor,
     SamplerQuarantined,
 )
+from gepo_sampler.relay.publisher import RelayPublisher
+from gepo_sampler.relay.settings import RelayConfig
+from gepo_sampler.relay.signing import Signer, generate_pair
+from gepo_sampler.relay.store import open_store
 
 RUN, LENGTH = "audit-run", 12
 #: the tiny model's vocabulary (its embedding rows)
@@ -165,9 +165,9 @@ def test_the_proxy_holds_audited_results_until_they_pass_and_a_verdict_quarantin
     """Through the proxy as verl calls it: honest results reach verl; a stale sampler's results disagree: with
     ``hold`` each is refused (and the one that tips the verdict fails), with ``flag`` each reaches verl; at the
     verdict the sampler is dead to the fleet (``why_dead``) and every later result fails at once."""
-    from gepo_plugin.hetero.remote.protocol import GenerateRequest, Result, SamplerStatus, VersionWindow
-    from gepo_plugin.hetero.remote.settings import GatewayConfig
     from gepo_plugin.verl_glue.hetero.remote.proxy import RemoteSamplerProxy
+    from gepo_sampler.remote.protocol import GenerateRequest, Result, SamplerStatus, VersionWindow
+    from gepo_sampler.remote.settings import GatewayConfig
 
     base, moved = published["weights"]
     auditor = auditor_for(published, ["far"])

@@ -184,9 +184,11 @@ def test_the_command_line_reference_has_every_option(site):
     from gepo_plugin.__main__ import build_parser as plugin_parser
     from gepo_plugin.doctor import build_parser as doctor_parser
     from gepo_plugin.lab.cli import build_parser as lab_parser
+    from gepo_sampler.host.cli import build_parser as sampler_parser
 
     page = (site / "reference" / "cli.html").read_text()
-    options = [*_options(plugin_parser()), *_options(doctor_parser()), *_options(lab_parser())]
+    parsers = (plugin_parser(), doctor_parser(), lab_parser(), sampler_parser())
+    options = [option for parser in parsers for option in _options(parser)]
     assert len(options) >= 50
     for option in options:
         assert option in page, option

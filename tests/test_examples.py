@@ -537,7 +537,7 @@ def test_lab_sensitivity_sweep_runs_valid_lab_commands_one_change_each():
 
 def test_the_sampler_host_script_prints_a_command_its_parser_takes(tmp_path):
     """examples/remote/sampler_host.sh: the command a remote machine runs, parsed by the host's own parser."""
-    from gepo_plugin.sampler_host.cli import build_parser
+    from gepo_sampler.host.cli import build_parser
 
     env = script_env(
         tmp_path,
@@ -553,8 +553,8 @@ def test_the_sampler_host_script_prints_a_command_its_parser_takes(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     words = shlex.split(result.stdout)
-    assert words[1:4] == ["-m", "gepo_plugin", "sampler"]
-    args = build_parser().parse_args(words[4:])
+    assert words[1:3] == ["-m", "gepo_sampler"]
+    args = build_parser().parse_args(words[3:])
     assert (args.gateway, args.name, args.public_key) == ("https://learner.example.org:8471", "dc-west", "ab" * 32)
     assert (args.ca_cert, args.poll_s, args.model, args.dtype) == (
         "/etc/gepo/ca.pem",

@@ -10,10 +10,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "gepo_plugin"
+#: the two distributions' packages: the learner's, and the sampler host's (sampler/), which it imports
+PACKAGES = (ROOT / "gepo_plugin", ROOT / "sampler" / "gepo_sampler")
 
-#: Framework-free components: the maths and HeteroRL's core, plain torch/numpy/pydantic.
+#: Framework-free components: the maths and HeteroRL's core, plain torch/numpy/pydantic; and the wire both sides of
+#: a remote sampler share (the relay, the remote protocol), shipped in the sampler host's distribution.
 COMPONENTS = (
+    "gepo_sampler.blocks",
+    "gepo_sampler.relay",
+    "gepo_sampler.remote",
     "gepo_plugin.maths",
     "gepo_plugin.hetero",
     "gepo_plugin.options",
@@ -34,7 +39,7 @@ TOOLS = (
     "gepo_plugin.synthetic",
     "gepo_plugin.demo",
     "gepo_plugin.options_cli",
-    "gepo_plugin.sampler_host",
+    "gepo_sampler.host",
 )
 #: The application layer: entry point, launcher, CLIs.
 APP = (
@@ -43,12 +48,13 @@ APP = (
     "gepo_plugin.main_ppo",
     "gepo_plugin.doctor",
     "gepo_plugin.__main__",
+    "gepo_sampler.__main__",
 )
 FRAMEWORKS = ("verl", "ray", "transfer_queue", "hydra", "megatron", "mbridge")
 
 
 def layer(module: str) -> int:
-    if module == "gepo_plugin":  # the package itself: only its version
+    if module in ("gepo_plugin", "gepo_sampler"):  # the packages themselves: only their versions
         return 0
     for rank, group in enumerate((COMPONENTS, GLUE, TOOLS, APP)):
         if any(module == name or module.startswith(name + ".") for name in group):
@@ -58,14 +64,19 @@ def layer(module: str) -> int:
 
 def modules() -> dict[str, Path]:
     found = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+    for path in (path for package in PACKAGES for path in package.rglob("*.py")):
+        parts = path.relative_to(package_root(path)).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         found[name] = path
     for path in (ROOT / "patches").glob("*.py"):
         stem = path.stem
         found["gepo_plugin.patches" + ("" if stem == "__init__" else f".{stem}")] = path
     return found
+
+
+def package_root(path: Path) -> Path:
+    """The folder a module's import name is relative to: the repository root, or sampler/."""
+    return ROOT / "sampler" if path.is_relative_to(ROOT / "sampler") else ROOT
 
 
 def imports(path: Path) -> set[str]:
@@ -152,6 +163,15 @@ def _importers_of(targets: tuple[str, ...], sources: tuple[str, ...]) -> list[st
         for target in found
         if under(target, targets)
     )
+
+
+def test_the_sampler_hosts_distribution_imports_nothing_of_the_learners():
+    """gepo-sampler installs beside a vLLM without gepo-plugin: no module of it may import one of gepo_plugin or a
+    framework of the learner's stack, at any level (function-level imports included)."""
+    for name, path in modules().items():
+        if name.split(".")[0] == "gepo_sampler":
+            roots = {target.split(".")[0] for target in imports(path)}
+            assert not roots & {"gepo_plugin", *FRAMEWORKS}, (name, roots & {"gepo_plugin", *FRAMEWORKS})
 
 
 def test_the_glue_imports_no_patch():

@@ -11,20 +11,20 @@ import pytest
 import torch
 from relay_fixtures import FAST_RETRY, Learner, train_and_publish
 
-from gepo_plugin.hetero.relay import codec
-from gepo_plugin.hetero.relay.link import Link, LinkConfig
-from gepo_plugin.hetero.relay.manifest import Manifest
-from gepo_plugin.hetero.relay.publisher import (
+from gepo_sampler.relay import codec
+from gepo_sampler.relay.link import Link, LinkConfig
+from gepo_sampler.relay.manifest import Manifest
+from gepo_sampler.relay.publisher import (
     MANIFESTS,
     RelayPublisher,
     manifest_key,
     parse_manifest_name,
     shard_key,
 )
-from gepo_plugin.hetero.relay.puller import RelayIntegrityError, RelayPuller
-from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.signing import Signer, SigningKeyError, Verifier, generate_pair
-from gepo_plugin.hetero.relay.store import RelayStore, RelayStoreError
+from gepo_sampler.relay.puller import RelayIntegrityError, RelayPuller
+from gepo_sampler.relay.settings import RelayConfig
+from gepo_sampler.relay.signing import Signer, SigningKeyError, Verifier, generate_pair
+from gepo_sampler.relay.store import RelayStore, RelayStoreError
 
 SETTINGS = RelayConfig(keyframe_every=4, shard_mb=8 / 1024)
 

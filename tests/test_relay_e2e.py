@@ -33,9 +33,9 @@ from ray_nodes import actors_by_node, ray_nodes
 from relay_fixtures import s3_server
 from trainer_run import TrainerRun
 
-from gepo_plugin.hetero.relay.manifest import MANIFESTS, Manifest, parse_manifest_name, shard_key
-from gepo_plugin.hetero.relay.store import RelayStore
 from gepo_plugin.tiny import cpu_run_overrides
+from gepo_sampler.relay.manifest import MANIFESTS, Manifest, parse_manifest_name, shard_key
+from gepo_sampler.relay.store import RelayStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.megatron]
 

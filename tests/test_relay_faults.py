@@ -11,12 +11,12 @@ import torch
 import xxhash
 from relay_fixtures import FAST_RETRY, Learner, train_and_publish
 
-from gepo_plugin.hetero.relay import codec
-from gepo_plugin.hetero.relay.manifest import MANIFESTS, manifest_key, shard_key
-from gepo_plugin.hetero.relay.publisher import RelayPublisher
-from gepo_plugin.hetero.relay.puller import RelayIntegrityError, RelayPuller
-from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.store import RelayStore, RelayStoreError
+from gepo_sampler.relay import codec
+from gepo_sampler.relay.manifest import MANIFESTS, manifest_key, shard_key
+from gepo_sampler.relay.publisher import RelayPublisher
+from gepo_sampler.relay.puller import RelayIntegrityError, RelayPuller
+from gepo_sampler.relay.settings import RelayConfig
+from gepo_sampler.relay.store import RelayStore, RelayStoreError
 
 
 def bits(tensors: dict[str, torch.Tensor]) -> codec.WeightBits:

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from relay_fixtures import FAST_RETRY, Learner, train_and_publish
 
-from gepo_plugin.hetero.relay import codec
-from gepo_plugin.hetero.relay.arrivals import ArrivalBook
-from gepo_plugin.hetero.relay.follower import Receipt, RelayFollower
-from gepo_plugin.hetero.relay.link import Link, LinkConfig
-from gepo_plugin.hetero.relay.publisher import RelayPublisher, shard_key
-from gepo_plugin.hetero.relay.puller import RelayPuller
-from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.store import RelayStore
+from gepo_sampler.relay import codec
+from gepo_sampler.relay.arrivals import ArrivalBook
+from gepo_sampler.relay.follower import Receipt, RelayFollower
+from gepo_sampler.relay.link import Link, LinkConfig
+from gepo_sampler.relay.publisher import RelayPublisher, shard_key
+from gepo_sampler.relay.puller import RelayPuller
+from gepo_sampler.relay.settings import RelayConfig
+from gepo_sampler.relay.store import RelayStore
 
 
 def wait_for(condition, timeout_s: float = 20.0):

@@ -12,14 +12,14 @@ from outage_proxy import OutageProxy
 from relay_fixtures import FAST_RETRY, Learner, s3_server, train_and_publish
 from test_relay_follow import wait_for
 
-from gepo_plugin.hetero.relay import codec
-from gepo_plugin.hetero.relay.follower import RelayFollower
-from gepo_plugin.hetero.relay.link import Link, LinkConfig
-from gepo_plugin.hetero.relay.manifest import shard_key
-from gepo_plugin.hetero.relay.publisher import RelayPublisher
-from gepo_plugin.hetero.relay.puller import RelayIntegrityError, RelayPuller
-from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.store import RelayStore, RelayStoreError
+from gepo_sampler.relay import codec
+from gepo_sampler.relay.follower import RelayFollower
+from gepo_sampler.relay.link import Link, LinkConfig
+from gepo_sampler.relay.manifest import shard_key
+from gepo_sampler.relay.publisher import RelayPublisher
+from gepo_sampler.relay.puller import RelayIntegrityError, RelayPuller
+from gepo_sampler.relay.settings import RelayConfig
+from gepo_sampler.relay.store import RelayStore, RelayStoreError
 
 #: botocore options that make one failed request fail fast (its own retries would add tens of seconds per operation;
 #: the store's retries and the outage budget are what is tested)

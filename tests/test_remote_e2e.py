@@ -2,7 +2,7 @@
 
 One scenario, run once for every claim of its tests. The learner's Ray cluster runs one in-cluster sampler group (verl's
 vLLM rollout, vLLM's CPU build in float32, a 64 MiB KV cache); three more groups are sampler hosts started by the test
-as ordinary processes outside Ray, before the learner, as an operator would (``python -m gepo_plugin sampler`` through
+as ordinary processes outside Ray, before the learner, as an operator would (``python -m gepo_sampler`` through
 ``examples/remote/sampler_host.sh``: vLLM's CPU build on localhost, no Ray variable in its environment), each following
 the relay from moto's S3 server (the usual AWS environment variables, read-only use), verifying manifests with the
 learner's Ed25519 public key, and dialling the learner's gateway. Two of them lie (``tests/lying_host.py``, the real
@@ -44,10 +44,10 @@ from trainer_run import TrainerRun
 from vllm_runs import FP32_GAP, GAP, vllm_hetero_overrides
 
 from gepo_plugin.hetero.audit.book import LOG_PROBS, SAMPLING
-from gepo_plugin.hetero.relay.signing import generate_pair
-from gepo_plugin.hetero.remote.settings import GatewayConfig
 from gepo_plugin.hetero.settings import HealthConfig
 from gepo_plugin.tiny import write_all
+from gepo_sampler.relay.signing import generate_pair
+from gepo_sampler.remote.settings import GatewayConfig
 
 pytestmark = [
     pytest.mark.e2e,

@@ -1,7 +1,7 @@
 """The learner's gateway over real HTTPS, dialled by the sampler host's own client: TLS, tokens, limits, rejoining.
 
 The gateway and a proxy run as Ray actors exactly as in a run (:class:`RemoteSamplers`); the sampler's side is the
-host's :class:`~gepo_plugin.sampler_host.gateway_client.GatewayClient` (aiohttp), with a self-signed certificate made
+host's :class:`~gepo_sampler.host.gateway_client.GatewayClient` (aiohttp), with a self-signed certificate made
 here (``cryptography``) and given to the client as its CA. No vLLM: what is checked is the wire.
 """
 
@@ -20,10 +20,10 @@ from cryptography.x509.oid import NameOID
 from free_ports import free_port
 from remote_hosts import ray_with_token
 
-from gepo_plugin.hetero.relay.signing import generate_pair
-from gepo_plugin.hetero.remote.protocol import Results, SamplerStatus, VersionWindow
 from gepo_plugin.hetero.settings import parse_hetero
-from gepo_plugin.sampler_host.gateway_client import GatewayClient, GatewayRefused, GatewayRetired
+from gepo_sampler.host.gateway_client import GatewayClient, GatewayRefused, GatewayRetired, ssl_context
+from gepo_sampler.relay.signing import generate_pair
+from gepo_sampler.remote.protocol import Results, SamplerStatus, VersionWindow
 
 pytestmark = pytest.mark.ray
 TOKEN_ENV = "GEPO_TEST_GATEWAY_TOKEN"
@@ -118,6 +118,59 @@ def test_the_gateway_speaks_tls_and_answers_only_the_right_token(gateway):
 
     counts = ray.get(remote.gateway.counts.remote())
     assert counts == {"far/unauthorised": 1.0, "unknown_sampler": 1.0}
+
+
+def test_a_host_of_another_protocol_is_refused_at_hello_naming_both_versions_and_the_fix(gateway, monkeypatch):
+    """The host's client with the protocol of another release (what an older or newer gepo-sampler sends), and a
+    host that names none (an older one): 426, both sides' protocol and gepo-sampler versions and the fix, counted;
+    the same client with this release's protocol is welcome."""
+    import gepo_sampler
+    from gepo_sampler.host import gateway_client
+    from gepo_sampler.remote.protocol import PROTOCOL_VERSION
+
+    remote, token, cert = gateway
+    learner = f"protocol {PROTOCOL_VERSION} (gepo-sampler {gepo_sampler.__version__})"
+    fix = f"pip install 'gepo-sampler=={gepo_sampler.__version__}'"
+
+    async def hello() -> None:
+        async with GatewayClient(remote.url, "far", token, ca_cert=cert) as client:
+            await client.hello()
+
+    monkeypatch.setattr(gateway_client, "PROTOCOL_VERSION", PROTOCOL_VERSION + 1)
+    monkeypatch.setattr(gateway_client, "__version__", "9.9.9")
+    with pytest.raises(GatewayRefused, match="HTTP 426") as refused:
+        asyncio.run(hello())
+    assert learner in str(refused.value) and f"protocol {PROTOCOL_VERSION + 1} (gepo-sampler 9.9.9)" in str(
+        refused.value
+    )
+    assert fix in str(refused.value)
+
+    async def bare_hello() -> tuple[int, str]:  # a host that sends no protocol header
+        url, tls = f"{remote.url}/v1/samplers/far/hello", ssl_context(remote.url, cert)
+        async with (
+            aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as session,
+            session.get(url, ssl=tls) as answer,
+        ):
+            return answer.status, await answer.text()
+
+    status, text = asyncio.run(bare_hello())
+    assert status == 426 and learner in text and "protocol none (gepo-sampler unknown)" in text and fix in text
+    monkeypatch.undo()
+    asyncio.run(hello())
+    import ray
+
+    assert ray.get(remote.gateway.counts.remote()) == {"far/protocol": 2.0}
+
+
+def test_the_protocol_message_names_both_sides_and_the_learners_version_as_the_fix():
+    """The one message both sides give (the host when a gateway's hello names another protocol, the gateway at a
+    host's hello): both protocols and gepo-sampler versions, and the learner's version to install."""
+    from gepo_sampler.remote.protocol import PROTOCOL_VERSION, protocol_mismatch
+
+    message = protocol_mismatch((1, "0.0.1"), (PROTOCOL_VERSION, "0.1.0"))
+    assert message is not None and "protocol 1 (gepo-sampler 0.0.1)" in message
+    assert f"protocol {PROTOCOL_VERSION} (gepo-sampler 0.1.0)" in message and "gepo-sampler==0.0.1" in message
+    assert protocol_mismatch((PROTOCOL_VERSION, "0.1.0"), (PROTOCOL_VERSION, "0.2.0")) is None
 
 
 def test_bodies_over_the_limit_and_garbled_ones_are_refused(gateway):

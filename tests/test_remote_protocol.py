@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from gepo_plugin.hetero.remote.protocol import (
+from gepo_sampler.remote.protocol import (
     LENGTH_MISMATCH,
     MALFORMED,
     NON_FINITE,
@@ -31,7 +31,7 @@ from gepo_plugin.hetero.remote.protocol import (
     VersionWindow,
     check_result,
 )
-from gepo_plugin.hetero.remote.settings import GatewayConfig, RemoteSamplerConfig, duplicate_names
+from gepo_sampler.remote.settings import GatewayConfig, RemoteSamplerConfig, duplicate_names
 
 VOCAB = 50
 WINDOW = VersionWindow(first=3, latest=7)

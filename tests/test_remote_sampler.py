@@ -1,6 +1,6 @@
 """A sampler host outside Ray, through the learner's real gateway and proxy: versions, log-probs, trust, liveness.
 
-Real parts only: vLLM's CPU build started by ``python -m gepo_plugin sampler`` as an ordinary process (its own process
+Real parts only: vLLM's CPU build started by ``python -m gepo_sampler`` as an ordinary process (its own process
 group, no Ray variable in its environment), the relay's store (moto's S3 server over HTTP, read by the host with
 the usual AWS environment variables), manifests signed with an Ed25519 key the host never sees (it verifies with the
 public key), and the learner's side as it runs in a HeteroRL run: the gateway and the sampler's proxy as Ray actors
@@ -24,12 +24,12 @@ from relay_fixtures import s3_server
 from remote_hosts import ray_with_token, start_host, stop, wait_for
 from safetensors.torch import load_file
 
-from gepo_plugin.hetero.relay.publisher import RelayPublisher
-from gepo_plugin.hetero.relay.signing import Signer, generate_pair
-from gepo_plugin.hetero.relay.store import open_store
-from gepo_plugin.hetero.remote.protocol import VersionWindow
 from gepo_plugin.hetero.settings import parse_hetero
 from gepo_plugin.tiny import write_all
+from gepo_sampler.relay.publisher import RelayPublisher
+from gepo_sampler.relay.signing import Signer, generate_pair
+from gepo_sampler.relay.store import open_store
+from gepo_sampler.remote.protocol import VersionWindow
 
 pytestmark = [
     pytest.mark.ray,
@@ -142,7 +142,7 @@ def _dead(remote) -> bool:
 
 @pytest.fixture(scope="module")
 def host_run(tiny, cluster, tmp_path_factory):
-    """One host (vLLM started by ``python -m gepo_plugin sampler``), the learner's side as a run has it, and what
+    """One host (vLLM started by ``python -m gepo_sampler``), the learner's side as a run has it, and what
     happened: it installs version 0 and generates, the learner publishes version 1 and it follows, then its way to the
     store is cut while the learner publishes version 2, past its outage budget."""
     from gepo_plugin.verl_glue.hetero.remote.members import RemoteSamplers

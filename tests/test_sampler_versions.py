@@ -12,10 +12,10 @@ from collections.abc import Callable
 import pytest
 
 from gepo_plugin.hetero.delays import ConstantDelay
-from gepo_plugin.hetero.relay.arrivals import ArrivalBook
-from gepo_plugin.hetero.relay.follower import Receipt
 from gepo_plugin.hetero.sampler_versions import SamplerVersions
 from gepo_plugin.hetero.weight_schedule import WeightArrivalSchedule
+from gepo_sampler.relay.arrivals import ArrivalBook
+from gepo_sampler.relay.follower import Receipt
 
 #: seconds from publication to arrival, per group; publications are further apart than the slowest arrival
 DELAYS_S = (0.0, 10.0, 20.0)

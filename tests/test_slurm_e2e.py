@@ -36,9 +36,9 @@ import pytest
 from chaos import check_every_step
 from ray_nodes import cluster_token_env
 
-from gepo_plugin.hetero.relay.signing import generate_pair
 from gepo_plugin.names import CPU_ROLLOUT
 from gepo_plugin.tiny import read_metrics, write_all
+from gepo_sampler.relay.signing import generate_pair
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slurm]
 

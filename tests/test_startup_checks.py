@@ -270,7 +270,7 @@ def test_remote_samplers_need_their_tokens_the_key_and_a_free_port_on_this_node(
     """What only the learner's node can tell: a run refuses at once, naming the key; --cfg job warns."""
     import socket
 
-    from gepo_plugin.hetero.relay.signing import generate_pair
+    from gepo_sampler.relay.signing import generate_pair
 
     private, public = generate_pair()
     with socket.socket() as busy:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A remote sampler for examples/remote/run_qwen3_1.7b_gepo_math_remote.sh: vLLM on this machine, joined to the run
-# by URL (python -m gepo_plugin sampler; docs/remote.md). No Ray here, and no port opened: it dials the learner.
+# by URL (python -m gepo_sampler; docs/remote.md). No Ray here, and no port opened: it dials the learner.
 #
 # Run in this repository's CI on CPU with vLLM's CPU build: every honest sampler host of tests/test_remote_e2e.py and
 # tests/test_remote_sampler.py is started with this script (tests/remote_hosts.py). On GPUs it has not been run here.
@@ -16,7 +16,7 @@
 #   RELAY_URL []: the store as this machine reaches it (default: the learner's)  STORAGE_OPTIONS [{}]
 #   store credentials: the provider's usual variables (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for s3://)
 #   PRINT_ONLY [0]  1 (or --print-command as the first argument): print the command instead of running it
-# Extra arguments go to `python -m gepo_plugin sampler` (try --help).
+# Extra arguments go to `python -m gepo_sampler` (try --help).
 set -euo pipefail
 print_only="${PRINT_ONLY:-0}"
 if [[ "${1:-}" == "--print-command" ]]; then print_only=1; shift; fi
@@ -24,7 +24,7 @@ if [[ "${1:-}" == "--print-command" ]]; then print_only=1; shift; fi
 : "${SAMPLER_NAME:?set SAMPLER_NAME (its entry in the learner's REMOTE_SAMPLERS)}"
 : "${RELAY_PUBLIC_KEY:?set RELAY_PUBLIC_KEY (the learner's hetero.relay.public_key)}"
 command=(
-  "${PYTHON:-python3}" -m gepo_plugin sampler
+  "${PYTHON:-python3}" -m gepo_sampler
   --gateway "$GATEWAY_URL" --name "$SAMPLER_NAME" --public-key "$RELAY_PUBLIC_KEY"
   --model "${MODEL_PATH:-Qwen/Qwen3-1.7B}" --max-model-len "${MAX_MODEL_LEN:-2816}" --dtype "${DTYPE:-bfloat16}"
   --storage-options "${STORAGE_OPTIONS:-{\}}"

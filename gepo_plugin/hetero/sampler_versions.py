@@ -2,7 +2,7 @@
 
 One declared view, whatever moves the weights: the simulated schedule
 (:class:`~gepo_plugin.hetero.weight_schedule.WeightArrivalSchedule`, arrivals drawn from delay models) and the relay's
-book of real arrivals (:class:`~gepo_plugin.hetero.relay.arrivals.ArrivalBook`) both implement it, and the sampler
+book of real arrivals (:class:`~gepo_sampler.relay.arrivals.ArrivalBook`) both implement it, and the sampler
 fleet's admission control, the staleness core's version floors and the per-group metrics read only this.
 """
 

@@ -19,8 +19,6 @@ from gepo_plugin import config_keys
 from gepo_plugin.hetero.audit.settings import AuditConfig
 from gepo_plugin.hetero.delays import DelayConfig, DelayModel
 from gepo_plugin.hetero.guard import GuardConfig, check_guard
-from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.remote.settings import GatewayConfig, RemoteSamplerConfig, duplicate_names
 from gepo_plugin.hetero.staleness import (
     DEFAULT_ADMISSION_MARGIN,
     DEFAULT_MAX_LAG,
@@ -30,6 +28,8 @@ from gepo_plugin.hetero.staleness import (
     StalenessPolicy,
 )
 from gepo_plugin.options import STRICT_BLOCK, OptionsError, parse_options
+from gepo_sampler.relay.settings import RelayConfig
+from gepo_sampler.remote.settings import GatewayConfig, RemoteSamplerConfig, duplicate_names
 
 #: Where the block lives in the plugin's config tree.
 HETERO_KEY = config_keys.HETERO
@@ -143,7 +143,7 @@ class HeteroConfig(BaseModel):
     remote_samplers: list[RemoteSamplerConfig] = Field(
         default_factory=list,
         description="samplers outside the learner's Ray cluster (a vLLM server anywhere, behind NAT too): each runs "
-        "`python -m gepo_plugin sampler`, follows the relay and dials hetero.gateway; one sampler group per group "
+        "`python -m gepo_sampler`, follows the relay and dials hetero.gateway; one sampler group per group "
         "label, after the in-cluster groups. Needs hetero.transport=relay with an Ed25519 key pair",
     )
     gateway: GatewayConfig = Field(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gepo_plugin.hetero.relay.store import RelayStoreError, open_store
 from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue.errors import PluginConfigError
+from gepo_sampler.relay.store import RelayStoreError, open_store
 
 
 def check_relay_store(hetero: HeteroSettings, inspecting: bool = False) -> list[str]:

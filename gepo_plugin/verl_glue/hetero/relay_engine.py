@@ -4,9 +4,9 @@ verl creates one checkpoint engine in every learner rank and in every rollout re
 (on the sampler's node), so the relay lives where each side already is:
 
 - learner: ``send_weights`` (verl's ``actor_wg.update_weights``) publishes the version on rank 0 through a
-  :class:`~gepo_plugin.hetero.relay.publisher.RelayPublisher` (one host copy; the upload runs in the background);
+  :class:`~gepo_sampler.relay.publisher.RelayPublisher` (one host copy; the upload runs in the background);
   the other ranks only drive the collective weight stream;
-- sampler: ``follow`` starts a :class:`~gepo_plugin.hetero.relay.follower.RelayFollower` that pulls over the
+- sampler: ``follow`` starts a :class:`~gepo_sampler.relay.follower.RelayFollower` that pulls over the
   group's link in the background; ``status`` hands the learner its receipts; ``receive_weights`` yields a staged
   version into verl's rollout weight-update path (``server_adapter.update_weights``) when the learner installs it.
 
@@ -24,14 +24,14 @@ from torch.distributed.tensor import DTensor
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 from verl.workers.rollout.utils import ensure_async_iterator
 
-from gepo_plugin.hetero.relay.follower import FollowerStatus, RelayFollower
-from gepo_plugin.hetero.relay.link import Link
-from gepo_plugin.hetero.relay.publisher import RelayPublisher
-from gepo_plugin.hetero.relay.puller import RelayPuller
-from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.store import open_store
 from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE
 from gepo_plugin.verl_glue import seam
+from gepo_sampler.relay.follower import FollowerStatus, RelayFollower
+from gepo_sampler.relay.link import Link
+from gepo_sampler.relay.publisher import RelayPublisher
+from gepo_sampler.relay.puller import RelayPuller
+from gepo_sampler.relay.settings import RelayConfig
+from gepo_sampler.relay.store import open_store
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ learner publishes the new version through the relay checkpoint engine (verl's ``
 uploads in the background) and keeps no per-group snapshot. Each replica's checkpoint-engine worker follows the store
 over its group's link; at safe points (the step end, and while the learner waits for data) the learner collects
 their receipts and installs each replica's newly arrived version through verl's rollout weight-update path, tagging
-its tokens with that version. Which version a group holds is an :class:`~gepo_plugin.hetero.relay.arrivals.ArrivalBook`
+its tokens with that version. Which version a group holds is an :class:`~gepo_sampler.relay.arrivals.ArrivalBook`
 of real arrivals.
 
 A replacement (``hetero.replace_failed=true``) follows the store like any replica as soon as it has started: its
@@ -29,11 +29,11 @@ from verl.checkpoint_engine.base import CheckpointEngineWorker
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 
 from gepo_plugin import metric_names
-from gepo_plugin.hetero.relay.arrivals import ArrivalBook
-from gepo_plugin.hetero.relay.follower import FollowerStatus, Receipt
 from gepo_plugin.names import RELAY_CHECKPOINT_ENGINE
 from gepo_plugin.verl_glue.hetero.remote.members import is_remote
 from gepo_plugin.verl_glue.hetero.transport import Fleet
+from gepo_sampler.relay.arrivals import ArrivalBook
+from gepo_sampler.relay.follower import FollowerStatus, Receipt
 
 logger = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from gepo_plugin.hetero.audit.examine import Examination, examine
 from gepo_plugin.hetero.audit.selection import AuditSelection
 from gepo_plugin.hetero.audit.settings import HOLD, AuditConfig
 from gepo_plugin.hetero.audit.thresholds import calibrated_tau, canonical_dtype, derived_tau, trusted_needed
-from gepo_plugin.hetero.relay.puller import Held, RelayPuller
-from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.signing import Verifier
-from gepo_plugin.hetero.relay.store import open_store
+from gepo_sampler.relay.puller import Held, RelayPuller
+from gepo_sampler.relay.settings import RelayConfig
+from gepo_sampler.relay.signing import Verifier
+from gepo_sampler.relay.store import open_store
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Remote samplers' settings checked before Ray starts, on the learner's node: tokens, the key, the gateway's port.
 
 The entries themselves (names, duplicates, the relay and its key pair being configured) are the typed model's checks
-(:class:`~gepo_plugin.hetero.remote.settings.RemoteSamplerConfig`); what needs this node's environment is here. A
+(:class:`~gepo_sampler.remote.settings.RemoteSamplerConfig`); what needs this node's environment is here. A
 sampler dials the learner (it may sit behind NAT), so the learner cannot probe it at start-up: it joins when it
 dials in, and the gateway's port must be free to listen on.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import socket
 
-from gepo_plugin.hetero.relay.signing import SigningKeyError
 from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue.errors import PluginConfigError
+from gepo_sampler.relay.signing import SigningKeyError
 
 
 def check_remote_samplers(hetero: HeteroSettings, inspecting: bool = False) -> list[str]:

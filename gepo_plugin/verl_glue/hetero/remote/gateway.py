@@ -26,8 +26,9 @@ from typing import Any
 import ray
 from aiohttp import web
 
-from gepo_plugin.hetero.remote.protocol import Hello
-from gepo_plugin.hetero.remote.settings import GatewayConfig, RemoteSamplerConfig
+import gepo_sampler
+from gepo_sampler.remote.protocol import PACKAGE_HEADER, PROTOCOL_HEADER, PROTOCOL_VERSION, Hello, protocol_mismatch
+from gepo_sampler.remote.settings import GatewayConfig, RemoteSamplerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,12 @@ class RemoteGateway:
 
     async def _hello(self, request: web.Request) -> web.Response:
         name = self._authorised(request)
+        host = (request.headers.get(PROTOCOL_HEADER, "none"), request.headers.get(PACKAGE_HEADER, "unknown"))
+        mismatch = protocol_mismatch((str(PROTOCOL_VERSION), gepo_sampler.__version__), host)
+        if mismatch is not None:
+            self.refusals[f"{name}/protocol"] += 1
+            logger.warning("hetero: remote sampler %r refused at hello: %s", name, mismatch)
+            raise web.HTTPUpgradeRequired(text=mismatch)
         link = self.samplers[name].link
         hello = Hello(name=name, link=link.model_dump() if link is not None else None, **self.hello_fields).model_dump()
         return web.json_response(hello)

@@ -21,12 +21,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from gepo_plugin import metric_names
 from gepo_plugin.hetero.audit.selection import AuditSelection
-from gepo_plugin.hetero.remote.protocol import VersionWindow
 from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue.hetero.remote.auditor import AuditClient, RemoteAuditor
 from gepo_plugin.verl_glue.hetero.remote.calibration_feed import CalibrationFeed
 from gepo_plugin.verl_glue.hetero.remote.gateway import RemoteGateway
 from gepo_plugin.verl_glue.hetero.remote.proxy import RemoteSamplerProxy
+from gepo_sampler.remote.protocol import VersionWindow
 
 logger = logging.getLogger(__name__)
 

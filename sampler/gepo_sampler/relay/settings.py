@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field, StrictInt, field_validator, model_validator
 
-from gepo_plugin.hetero.relay.link import LinkConfig
-from gepo_plugin.hetero.relay.signing import Signer, SigningKeyError, Verifier
-from gepo_plugin.options import STRICT_BLOCK
+from gepo_sampler.blocks import STRICT_BLOCK
+from gepo_sampler.relay.link import LinkConfig
+from gepo_sampler.relay.signing import Signer, SigningKeyError, Verifier
 
 #: storage_options keys that carry credentials (refused: they would be printed and logged)
 CREDENTIAL_WORDS = ("key", "secret", "token", "password", "credential", "session")

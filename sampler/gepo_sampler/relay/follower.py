@@ -21,9 +21,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from gepo_plugin.hetero.relay.codec import WeightBits
-from gepo_plugin.hetero.relay.puller import Held, RelayIntegrityError, RelayPuller
-from gepo_plugin.hetero.relay.store import RelayStoreError
+from gepo_sampler.relay.codec import WeightBits
+from gepo_sampler.relay.puller import Held, RelayIntegrityError, RelayPuller
+from gepo_sampler.relay.store import RelayStoreError
 
 logger = logging.getLogger(__name__)
 #: staged versions kept for installation (the newest two, and the one last reported until it is taken or passed)

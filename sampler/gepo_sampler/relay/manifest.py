@@ -7,7 +7,7 @@ and a new or far-behind one never replays a long chain. A delta applies only to 
 publisher's life): after a resume, versions are numbered again from the checkpoint, and a sampler still holding the
 abandoned future must take a keyframe instead of a delta that would silently give it wrong weights. A sampler
 checks the run id, and with a shared secret the HMAC-SHA256 over the manifest's canonical JSON, with the learner's
-public key its Ed25519 signature (:mod:`gepo_plugin.hetero.relay.signing`), before it reads a shard.
+public key its Ed25519 signature (:mod:`gepo_sampler.relay.signing`), before it reads a shard.
 
 Every manifest also carries a digest (xxHash3, 128 bits) of each tensor's bits in the version's full weights: a
 sampler checks the weights it is about to install against them, so a codec or apply bug, or a shard that is
@@ -27,8 +27,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from gepo_plugin.hetero.relay.codec import TensorSpec
-from gepo_plugin.hetero.relay.signing import Signer, Verifier
+from gepo_sampler.relay.codec import TensorSpec
+from gepo_sampler.relay.signing import Signer, Verifier
 
 FORMAT = 2
 Part = Literal["full", "delta"]

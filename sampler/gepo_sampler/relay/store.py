@@ -8,7 +8,7 @@ access denied, a file where a directory must be) is not retried: it raises at on
 (``RelayStoreError.permanent``). Riding out a longer outage is the caller's decision (the publisher's and the
 follower's outage budget, ``hetero.relay.outage_s``). Writes are atomic where the protocol is not (a local or
 shared directory: write, then rename), so a reader never sees half an object. Reads go through a
-:class:`~gepo_plugin.hetero.relay.link.Link` in chunks and resume from the last chunk received after an error.
+:class:`~gepo_sampler.relay.link.Link` in chunks and resume from the last chunk received after an error.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from gepo_plugin.hetero.relay.link import Link, LinkConfig
-from gepo_plugin.hetero.relay.settings import RelayConfig
+from gepo_sampler.relay.link import Link, LinkConfig
+from gepo_sampler.relay.settings import RelayConfig
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

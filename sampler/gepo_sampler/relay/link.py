@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-from gepo_plugin.options import STRICT_BLOCK
+from gepo_sampler.blocks import STRICT_BLOCK
 
 
 class LinkConfig(BaseModel):

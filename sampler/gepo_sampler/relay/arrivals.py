@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gepo_plugin.hetero.relay.follower import Receipt
+from gepo_sampler.relay.follower import Receipt
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ log-prob) and ``return_token_ids`` (the same request in vLLM 0.24 and 0.30). The
 ``--logprobs-mode processed_logprobs``, as verl's own vLLM server does (log-probs after temperature and top-k/top-p,
 what the learner's importance weights divide by): the host starts it so, and checks it at start-up
 (``/server_info``). Weights are installed in place through ``/collective_rpc`` and the worker extension
-:class:`~gepo_plugin.sampler_host.vllm_extension.RelayInstall`; ``/pause?mode=abort`` cuts every request in flight,
+:class:`~gepo_sampler.host.vllm_extension.RelayInstall`; ``/pause?mode=abort`` cuts every request in flight,
 each returning what it generated so far (``finish_reason: abort``). Those development endpoints need
 ``VLLM_SERVER_DEV_MODE=1`` and are unauthenticated: the server is bound to 127.0.0.1 and never exposed.
 
@@ -32,19 +32,46 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from gepo_plugin.hetero.remote.protocol import GenerateRequest
+from gepo_sampler.host.vllm_extension import RelayInstall
+from gepo_sampler.remote.protocol import GenerateRequest
 
 logger = logging.getLogger(__name__)
 
-EXTENSION = "gepo_plugin.sampler_host.vllm_extension.RelayInstall"
+EXTENSION = "gepo_sampler.host.vllm_extension.RelayInstall"
 LOGPROBS_MODE = "processed_logprobs"
-#: vLLM's versions the host was written for and checked with (the endpoints above exist in each).
-SUPPORTED_VLLM = ("0.24", "0.30")
+#: vLLM's versions the host was written for and checked with (every name of ``vllm_contract`` exists in each).
+SUPPORTED_VLLM = ("0.24", "0.30", "0.31", "0.32", "0.33")
+HEALTH, VERSION, MODELS, SERVER_INFO = "/health", "/version", "/v1/models", "/server_info"
+COMPLETIONS, PAUSE, RESUME = "/v1/completions", "/pause", "/resume"
+COLLECTIVE_RPC, RESET_PREFIX_CACHE = "/collective_rpc", "/reset_prefix_cache"
+#: every route of vLLM's server the host calls (the development ones need ``VLLM_SERVER_DEV_MODE=1``)
+ENDPOINTS = (
+    ("GET", HEALTH),
+    ("GET", VERSION),
+    ("GET", MODELS),
+    ("GET", SERVER_INFO),
+    ("POST", COMPLETIONS),
+    ("POST", PAUSE),
+    ("POST", RESUME),
+    ("POST", COLLECTIVE_RPC),
+    ("POST", RESET_PREFIX_CACHE),
+)
+#: the extension's methods the host calls through ``/collective_rpc``
+INSTALL_METHOD = RelayInstall.gepo_install_weights.__name__
+COLLECTIVE_RPC_METHODS = (INSTALL_METHOD,)
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class EngineError(RuntimeError):
     """The vLLM server cannot be used: it did not start, died, or runs with settings the learner cannot train on."""
+
+
+class EngineBusy(EngineError):
+    """HTTP 503: the server refused a request it asks to be retried (from vLLM 0.33, one sent while it is paused)."""
+
+
+#: the status of a refusal vLLM asks the client to retry
+RETRY_LATER = 503
 
 
 @dataclass(frozen=True)
@@ -169,7 +196,8 @@ class VLLMEngine:
         async with self.session.request(method, self.url + path, **kwargs) as response:
             text = await response.text()
             if response.status != 200:
-                raise EngineError(f"vLLM {method} {path}: HTTP {response.status}: {text[:500]}")
+                refusal = EngineBusy if response.status == RETRY_LATER else EngineError
+                raise refusal(f"vLLM {method} {path}: HTTP {response.status}: {text[:500]}")
             return json.loads(text) if text else {}
 
     # ------------------------------------------------------------------ start-up
@@ -180,7 +208,7 @@ class VLLMEngine:
             if self.process is not None and self.process.poll() is not None:
                 raise EngineError(f"vllm serve exited with status {self.process.returncode} before it was ready")
             try:
-                async with self.session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                async with self.session.get(self.url + HEALTH, timeout=aiohttp.ClientTimeout(total=5)) as r:
                     if r.status == 200:
                         break
             except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -192,12 +220,12 @@ class VLLMEngine:
 
     async def check(self) -> None:
         """The server's version is supported and it computes processed log-probs (what the learner expects)."""
-        self.version = (await self._json("GET", "/version")).get("version", "")
+        self.version = (await self._json("GET", VERSION)).get("version", "")
         if not self.version.startswith(SUPPORTED_VLLM):
             logger.warning("sampler host: vLLM %s was not checked (checked: %s)", self.version, SUPPORTED_VLLM)
-        models = (await self._json("GET", "/v1/models"))["data"]
+        models = (await self._json("GET", MODELS))["data"]
         self.model = models[0]["id"]
-        info = await self._json("GET", "/server_info", params={"config_format": "json"})
+        info = await self._json("GET", SERVER_INFO, params={"config_format": "json"})
         config = info.get("vllm_config", info)
         if isinstance(config, str):
             config = json.loads(config)
@@ -215,7 +243,7 @@ class VLLMEngine:
         if self.process is not None and self.process.poll() is not None:
             return False
         try:
-            async with self.session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as response:
+            async with self.session.get(self.url + HEALTH, timeout=aiohttp.ClientTimeout(total=5)) as response:
                 return response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
@@ -235,7 +263,12 @@ class VLLMEngine:
             "skip_special_tokens": False,
             "ignore_eos": False,
         }
-        answer = await self._json("POST", "/v1/completions", json=body, headers={"X-Request-Id": request.request_id})
+        try:
+            answer = await self._json("POST", COMPLETIONS, json=body, headers={"X-Request-Id": request.request_id})
+        except EngineBusy:
+            # sent while an install paused the engine (vLLM 0.33 refuses it where earlier versions queue it): what an
+            # abort before the first token returns, so verl's client resumes it on the new weights
+            return Generated([], [] if request.logprobs else None, "abort")
         choice = answer["choices"][0]
         tokens = [int(t) for t in choice.get("token_ids") or []]
         log_probs = None
@@ -245,17 +278,15 @@ class VLLMEngine:
 
     async def abort_all(self) -> None:
         """Cut every request in flight (each returns what it has, ``abort``); requests sent meanwhile wait."""
-        await self._json("POST", "/pause", params={"mode": "abort", "clear_cache": "true"})
+        await self._json("POST", PAUSE, params={"mode": "abort", "clear_cache": "true"})
 
     async def resume(self) -> None:
-        await self._json("POST", "/resume")
+        await self._json("POST", RESUME)
 
     async def install(self, path: str) -> dict:
         """Install the weights in the safetensors file at ``path`` (in place, every worker)."""
-        answer = await self._json(
-            "POST", "/collective_rpc", json={"method": "gepo_install_weights", "args": [path], "kwargs": {}}
-        )
-        await self._json("POST", "/reset_prefix_cache")
+        answer = await self._json("POST", COLLECTIVE_RPC, json={"method": INSTALL_METHOD, "args": [path], "kwargs": {}})
+        await self._json("POST", RESET_PREFIX_CACHE)
         results = answer.get("results") or [{}]
         return results[0] if isinstance(results[0], dict) else {}
 

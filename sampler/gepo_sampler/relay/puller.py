@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gepo_plugin.hetero.relay import codec
-from gepo_plugin.hetero.relay.link import Link, LinkConfig
-from gepo_plugin.hetero.relay.manifest import (
+from gepo_sampler.relay import codec
+from gepo_sampler.relay.link import Link, LinkConfig
+from gepo_sampler.relay.manifest import (
     MANIFESTS,
     Manifest,
     ManifestFormatError,
@@ -41,8 +41,8 @@ from gepo_plugin.hetero.relay.manifest import (
     parse_manifest_name,
     shard_key,
 )
-from gepo_plugin.hetero.relay.signing import Verifier
-from gepo_plugin.hetero.relay.store import RelayStore
+from gepo_sampler.relay.signing import Verifier
+from gepo_sampler.relay.store import RelayStore
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,9 @@
 
 Every call carries the sampler's bearer token, verifies the gateway's certificate (a private CA or a self-signed
 certificate with ``--ca-cert``), has a timeout and a body-size limit. A call the gateway refuses with 401/403 (a
-wrong token) or 404 (a name the learner does not know) is permanent: the host stops and says why. 410 means the
-learner retired this sampler: the host keeps polling and rejoins when the learner takes it back.
+wrong token), 404 (a name the learner does not know) or 426 (another protocol: both sides' versions and the fix) is
+permanent: the host stops and says why. 410 means the learner retired this sampler: the host keeps polling and
+rejoins when the learner takes it back.
 """
 
 from __future__ import annotations
@@ -13,7 +14,17 @@ import ssl
 
 import aiohttp
 
-from gepo_plugin.hetero.remote.protocol import Hello, Results, SamplerStatus, Work
+from gepo_sampler import __version__
+from gepo_sampler.remote.protocol import (
+    PACKAGE_HEADER,
+    PROTOCOL_HEADER,
+    PROTOCOL_VERSION,
+    Hello,
+    Results,
+    SamplerStatus,
+    Work,
+    protocol_mismatch,
+)
 
 
 class GatewayRefused(RuntimeError):
@@ -38,7 +49,11 @@ class GatewayClient:
     ) -> None:
         self.base = f"{url.rstrip('/')}/v1/samplers/{name}"
         self.name = name
-        self._headers = {"Authorization": f"Bearer {token}"}
+        self._headers = {
+            "Authorization": f"Bearer {token}",
+            PROTOCOL_HEADER: str(PROTOCOL_VERSION),
+            PACKAGE_HEADER: __version__,
+        }
         self._ssl = ssl_context(url, ca_cert)
         self.timeout_s = timeout_s
         self.max_body = int(max_body_mb * (1 << 20))
@@ -70,9 +85,8 @@ class GatewayClient:
             if len(text) > self.max_body:
                 raise ValueError(f"the gateway's answer exceeds the {self.max_body}-byte limit")
             if response.status in (401, 403, 404, 426):
-                raise GatewayRefused(
-                    f"the gateway refused sampler {self.name!r}: HTTP {response.status} {text[:300]!r}"
-                )
+                why = text[:1000].decode(errors="replace")
+                raise GatewayRefused(f"the gateway refused sampler {self.name!r}: HTTP {response.status}: {why}")
             if response.status == 410:
                 raise GatewayRetired(text.decode(errors="replace")[:300])
             if response.status != 200:
@@ -82,7 +96,15 @@ class GatewayClient:
             return json.loads(text)
 
     async def hello(self) -> Hello:
-        return Hello.model_validate(await self._call("GET", "/hello"))
+        """The run this sampler joins; a gateway of another protocol is refused before its hello is read (a new
+        protocol may change the hello itself)."""
+        answer = await self._call("GET", "/hello")
+        mismatch = protocol_mismatch(
+            (answer.get("protocol"), answer.get("package", "unknown")), (PROTOCOL_VERSION, __version__)
+        )
+        if mismatch is not None:
+            raise GatewayRefused(mismatch)
+        return Hello.model_validate(answer)
 
     async def poll(self, status: SamplerStatus, wait_s: float) -> Work:
         """Report ``status``; get work (waits up to ``wait_s`` on the gateway for some)."""

@@ -41,8 +41,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from gepo_plugin.hetero.relay import codec
-from gepo_plugin.hetero.relay.manifest import (
+from gepo_sampler.relay import codec
+from gepo_sampler.relay.manifest import (
     KEYFRAME_ON_REQUEST,
     MANIFESTS,
     SHARDS,
@@ -53,9 +53,9 @@ from gepo_plugin.hetero.relay.manifest import (
     parse_manifest_name,
     shard_key,
 )
-from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.signing import Signer
-from gepo_plugin.hetero.relay.store import RelayStore, RelayStoreError, pieces_nbytes
+from gepo_sampler.relay.settings import RelayConfig
+from gepo_sampler.relay.signing import Signer
+from gepo_sampler.relay.store import RelayStore, RelayStoreError, pieces_nbytes
 
 logger = logging.getLogger(__name__)
 #: Longest pause between two attempts to publish during an outage.

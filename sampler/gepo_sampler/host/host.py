@@ -2,7 +2,7 @@
 
 One asyncio loop, no Ray. Three activities:
 
-* **weights**: the relay's :class:`~gepo_plugin.hetero.relay.follower.RelayFollower` (a background thread: every
+* **weights**: the relay's :class:`~gepo_sampler.relay.follower.RelayFollower` (a background thread: every
   pull digest-checked and all-or-nothing, the store's outage budget, manifests verified with the learner's public
   key) stages the newest version; the host installs it into vLLM (:meth:`SamplerHost.install`);
 * **work**: it long-polls the gateway with its status (the version it holds, what it has staged, whether its engine
@@ -25,17 +25,17 @@ from pathlib import Path
 import aiohttp
 from safetensors.torch import save_file
 
-from gepo_plugin.hetero.relay.follower import RelayFollower
-from gepo_plugin.hetero.relay.link import Link, LinkConfig
-from gepo_plugin.hetero.relay.puller import RelayPuller
-from gepo_plugin.hetero.relay.settings import RelayConfig
-from gepo_plugin.hetero.relay.signing import Verifier
-from gepo_plugin.hetero.relay.store import open_store
-from gepo_plugin.hetero.remote.protocol import PROTOCOL_VERSION, GenerateRequest, Hello, Result, Results, SamplerStatus
-from gepo_plugin.sampler_host.engine import EngineError, VLLMEngine
-from gepo_plugin.sampler_host.gateway_client import GatewayClient, GatewayRefused, GatewayRetired
+from gepo_sampler.host.engine import EngineError, VLLMEngine
+from gepo_sampler.host.gateway_client import GatewayClient, GatewayRetired
+from gepo_sampler.relay.follower import RelayFollower
+from gepo_sampler.relay.link import Link, LinkConfig
+from gepo_sampler.relay.puller import RelayPuller
+from gepo_sampler.relay.settings import RelayConfig
+from gepo_sampler.relay.signing import Verifier
+from gepo_sampler.relay.store import open_store
+from gepo_sampler.remote.protocol import PROTOCOL_VERSION, GenerateRequest, Hello, Result, Results, SamplerStatus
 
-logger = logging.getLogger("gepo_plugin.sampler_host")
+logger = logging.getLogger("gepo_sampler.host")
 
 #: Seconds between two attempts to reach the gateway after a failure (doubling up to MAX_BACKOFF_S).
 BACKOFF_S, MAX_BACKOFF_S = 0.5, 10.0
@@ -248,8 +248,6 @@ class SamplerHost:
 
     async def run(self, hello: Hello) -> None:
         """Serve the run ``hello`` describes until stopped (or refused for good by the gateway)."""
-        if hello.protocol != PROTOCOL_VERSION:
-            raise GatewayRefused(f"the gateway speaks protocol {hello.protocol}, this host {PROTOCOL_VERSION}")
         self.follow(hello)
         loops = [
             asyncio.create_task(self._weights_loop()),

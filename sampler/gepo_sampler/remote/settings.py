@@ -11,8 +11,8 @@ import re
 
 from pydantic import BaseModel, Field, StrictInt, model_validator
 
-from gepo_plugin.hetero.relay.link import LinkConfig
-from gepo_plugin.options import STRICT_BLOCK
+from gepo_sampler.blocks import STRICT_BLOCK
+from gepo_sampler.relay.link import LinkConfig
 
 #: What a sampler's name may be: it appears in URLs, metric names and logs.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
@@ -30,7 +30,7 @@ class RemoteSamplerConfig(BaseModel):
     name: str = Field(
         ...,
         pattern=NAME_PATTERN,
-        description="the sampler's name: the host runs `python -m gepo_plugin sampler --name <name> ...`; letters, "
+        description="the sampler's name: the host runs `python -m gepo_sampler --name <name> ...`; letters, "
         "digits, '_', '.', '-'",
     )
     token_env: str = Field(
@@ -59,7 +59,7 @@ class RemoteSamplerConfig(BaseModel):
         if isinstance(given, dict) and "url" in given:
             raise ValueError(
                 "url: the learner does not dial remote samplers; the sampler host dials the learner's gateway "
-                "(`python -m gepo_plugin sampler --gateway https://<learner>:<hetero.gateway.port> ...`), so it "
+                "(`python -m gepo_sampler --gateway https://<learner>:<hetero.gateway.port> ...`), so it "
                 "needs no open port. Remove url and give the host the gateway's address"
             )
         return given
