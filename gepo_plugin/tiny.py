@@ -262,11 +262,15 @@ def run_cpu_training(
 
 
 def read_metrics(path: str | Path) -> dict[int, dict]:
-    """The metrics verl's ``file`` tracker backend wrote (one JSON line per step), merged per step."""
+    """The metrics verl's ``file`` tracker backend wrote (one JSON line per step), merged per step.
+
+    Read while the run writes: a last line without its newline is still being written (verl writes each step's
+    line with one unbuffered ``write``, which a reader can see half done) and is left for the next read."""
     path = Path(path)
     metrics: dict[int, dict] = {}
     if path.exists():
-        for line in path.read_text().splitlines():
+        written = path.read_bytes()
+        for line in written[: written.rfind(b"\n") + 1].splitlines():
             if line.strip():
                 record = json.loads(line)
                 metrics.setdefault(int(record["step"]), {}).update(record["data"])
