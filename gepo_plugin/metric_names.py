@@ -104,7 +104,11 @@ METRICS: tuple[Metric, ...] = (
     Metric(GEPO_LOSS + "ess_step", "ESS/N of the sequence ratios p/q over the step (the staleness guard reads it)"),
     # M2PO's loss (its scope's values: the mini-batch's, or each micro-batch's with m2_scope=micro_batch)
     Metric(M2PO_LOSS + "m2", "M2PO: mean squared log-ratio of the harmful tokens, before the cap"),
-    Metric(M2PO_LOSS + "m2_after", "M2PO: the same once capped at tau (within policy_loss.m2_budget)"),
+    Metric(
+        M2PO_LOSS + "m2_after",
+        "M2PO: the same once capped at tau, as the authors' solver reports it: within policy_loss.m2_budget when "
+        "tau > 0; when tau = 0 (every harmful token clipped) the uncapped M2",
+    ),
     Metric(M2PO_LOSS + "cap_binds", "M2PO: 1 where the budget was exceeded and the bounds exp(+-tau) clipped"),
     Metric(M2PO_LOSS + "harmful_tokens", "M2PO: harmful tokens (advantage and ratio on the same side of 0 and 1)"),
     Metric(M2PO_LOSS + "masked_frac", "GEPO with policy_loss.m2_mask: share of response tokens M2PO's mask zeroed"),

@@ -34,7 +34,8 @@ NO_CAP = -1.0
 @dataclass(frozen=True)
 class M2Cap:
     """The cap on the harmful tokens' |log-ratio| (None: the budget holds, nothing is clipped), their second moment
-    before and after capping, and how many there are."""
+    before and after capping as the authors' solver reports it (``m2_after`` is within the budget when ``tau > 0``;
+    with ``tau == 0`` every harmful token is clipped and it is the uncapped ``m2``), and how many there are."""
 
     tau: float | None
     m2: float

@@ -35,7 +35,8 @@ def compute_policy_loss_m2po(
     harmful tokens' second moment within ``policy_loss.m2_budget``; verl's clip ratios are not read.
 
     ``old_log_prob`` must be the behaviour policy's log-probs (the sampler's: ``bypass_mode=true``, set by the
-    m2po preset), as the authors' runs store the log-probs of the policy that generated each batch.
+    m2po preset): the version that generated the batch, as in the authors' runs, where the training actor
+    recomputes them right after generation (docs/losses.md, M2PO).
     """
     if config is None:
         raise ValueError("the m2po loss needs the actor config (verl passes it as `config`)")
