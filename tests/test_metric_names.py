@@ -16,6 +16,8 @@ from gepo_plugin.hetero.staleness import StalenessPolicy
 from gepo_plugin.metric_names import METRICS, RELAY_COUNTERS, declaration, undeclared
 
 PACKAGE = Path(metric_names.__file__).parent
+#: the relay's package, in the sampler host's distribution
+RELAY = PACKAGE.parent / "sampler" / "gepo_sampler" / "relay"
 
 
 def test_each_key_is_declared_once_with_a_meaning():
@@ -35,7 +37,7 @@ def test_a_key_outside_the_table_is_caught_and_verls_own_are_left_alone():
 
 def test_every_counter_the_relay_counts_is_declared():
     counted = set()
-    for path in (PACKAGE / "hetero" / "relay").glob("*.py"):
+    for path in RELAY.glob("*.py"):
         counted |= set(re.findall(r"counters\.add\(\s*\"([a-z_]+)\"", path.read_text()))
     assert counted and counted <= set(RELAY_COUNTERS), counted - set(RELAY_COUNTERS)
 
