@@ -41,8 +41,8 @@ def resolve(python: Path, vllm: str, host: Path) -> dict:
             capture_output=True, text=True, timeout=1800,
         )  # fmt: skip
         if done.returncode != 0:
-            lines = [line.strip() for line in done.stderr.splitlines() if "requires" in line or "conflict" in line]
-            return {"resolved": False, "why": " ".join(lines[:4])[:600] or done.stderr.strip()[-600:]}
+            lines = [line.removeprefix("ERROR: ") for line in done.stderr.splitlines() if "Cannot install" in line]
+            return {"resolved": False, "why": lines[0] if lines else done.stderr.strip()[-600:]}
         installed = json.loads(report.read_text())["install"]
     versions = {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in installed}
     return {
