@@ -4,6 +4,7 @@ whose tests run, and two wheels that share no file."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -90,7 +91,11 @@ def test_the_sampler_hosts_wheel_ships_its_package_and_nothing_of_the_learners(t
     chooses, and the learner requires this very version of it."""
     (tmp_path / "host").mkdir()
     (tmp_path / "learner").mkdir()
-    host_files, host_requires = _wheel(ROOT / "sampler", tmp_path / "host")
+    # built from a copy: test.sh installs sampler/ (editable, its egg-info in place) while this phase runs
+    source = shutil.copytree(
+        ROOT / "sampler", tmp_path / "sampler", ignore=shutil.ignore_patterns("build", "*.egg-info")
+    )
+    host_files, host_requires = _wheel(source, tmp_path / "host")
     learner_files, learner_requires = _wheel(ROOT, tmp_path / "learner")
     expected = {str(path.relative_to(ROOT / "sampler")) for path in (ROOT / "sampler/gepo_sampler").rglob("*.py")}
     assert expected <= host_files and all(name.startswith("gepo_sampler/") for name in host_files), host_files
