@@ -187,7 +187,10 @@ METRICS: tuple[Metric, ...] = (
     Metric(REMOTE + "{sampler}/tokens", "tokens of those results"),
     Metric(REMOTE + "{sampler}/timed_out", "requests it did not answer within hetero.gateway.request_timeout_s"),
     Metric(REMOTE + "{sampler}/failed", "requests its engine could not generate (each fails its group)"),
-    Metric(REMOTE + "{sampler}/refused/{reason}", "results refused, by reason (nothing of them is trained)"),
+    Metric(
+        REMOTE + "{sampler}/refused/{reason}",
+        "results and statuses refused, by reason (nothing of them is trained or stored)",
+    ),
     Metric(REMOTE + "{sampler}/version", "the weight version it reports holding"),
     Metric(REMOTE + "{sampler}/silent_s", "seconds since it was last heard from"),
     Metric(REMOTE + "{sampler}/unauthorised", "calls in its name with a wrong or missing token (refused)"),

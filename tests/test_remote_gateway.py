@@ -103,7 +103,7 @@ def test_the_gateway_speaks_tls_and_answers_only_the_right_token(gateway):
             with pytest.raises(GatewayRefused, match="HTTP 401"):
                 await client.hello()
         async with GatewayClient(remote.url, "nobody", token, ca_cert=cert) as client:
-            with pytest.raises(GatewayRefused, match="HTTP 404"):
+            with pytest.raises(GatewayRefused, match="HTTP 401"):  # as a wrong token: names are not enumerable
                 await client.hello()
         async with GatewayClient(remote.url, "far", token, ca_cert=None) as client:  # not its CA: refused by TLS
             with pytest.raises(aiohttp.ClientConnectorCertificateError):
@@ -188,6 +188,85 @@ def test_bodies_over_the_limit_and_garbled_ones_are_refused(gateway):
                 assert response.status == 400
 
     asyncio.run(run())
+
+
+async def _raw(remote, cert, path: str, data: bytes | None = None, headers: dict | None = None) -> tuple[int, str]:
+    """One call with exactly these bytes and headers (a client that is not the host's)."""
+    async with aiohttp.ClientSession(skip_auto_headers=("Content-Type",)) as session:
+        method = session.post if data is not None else session.get
+        async with method(f"{remote.url}{path}", data=data, headers=headers, ssl=ssl_context(remote.url, cert)) as r:
+            return r.status, await r.text()
+
+
+async def _raw_bytes(remote, cert, header: bytes) -> int:
+    """A hello with one header line as raw bytes, over TLS on a plain socket; the status code answered."""
+    host, port = remote.url.removeprefix("https://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port), ssl=ssl_context(remote.url, cert))
+    writer.write(b"GET /v1/samplers/far/hello HTTP/1.1\r\nHost: x\r\n" + header + b"\r\nConnection: close\r\n\r\n")
+    await writer.drain()
+    status_line = await reader.readline()
+    writer.close()
+    return int(status_line.split()[1])
+
+
+def test_an_unknown_name_gets_the_answer_a_wrong_token_gets(gateway):
+    """Names cannot be enumerated without a token: the same status and body for a name no entry lists and for a
+    known name with a wrong token, each counted under its own reason."""
+    remote, _, cert = gateway
+    wrong = {"Authorization": "Bearer not-the-token"}
+    unknown = asyncio.run(_raw(remote, cert, "/v1/samplers/nobody/hello", headers=wrong))
+    known = asyncio.run(_raw(remote, cert, "/v1/samplers/far/hello", headers=wrong))
+    assert unknown == known and unknown[0] == 401, (unknown, known)
+    import ray
+
+    assert ray.get(remote.gateway.counts.remote()) == {"unknown_sampler": 1.0, "far/unauthorised": 1.0}
+
+
+def test_no_input_gets_a_server_error(gateway):
+    """Bytes, sizes, nesting and encodings the JSON parser or the header decoder cannot take: each a 4xx, none a
+    500, and an honest call answered after them."""
+    remote, token, cert = gateway
+    auth = {"Authorization": f"Bearer {token}"}
+    status_path = "/v1/samplers/far/status"
+    calls = [
+        (status_path, b"\xff\xfe not utf-8", auth),
+        (status_path, b'{"version": ' + b"9" * 5000 + b"}", auth),  # beyond the parser's integer digits
+        (status_path, b"[" * 100_000 + b"]" * 100_000, auth),  # beyond the interpreter's recursion
+        (status_path, b'{"version": 5}', {**auth, "Content-Type": "application/json; charset=no-such-charset"}),
+        (status_path, b'{"version": NaN}', auth),
+        ("/v1/samplers/far/results", b'{"results": {"not": "a list"}}', auth),
+    ]
+    answers = [asyncio.run(_raw(remote, cert, path, data, headers)) for path, data, headers in calls]
+    # an Authorization header whose bytes are not UTF-8, written on the socket (a client library would encode it)
+    answers.append((asyncio.run(_raw_bytes(remote, cert, b"Authorization: Bearer \xff\xfe\xfd")), ""))
+    assert all(400 <= status < 500 for status, _ in answers), answers
+    honest = asyncio.run(_raw(remote, cert, status_path, SamplerStatus(version=0).model_dump_json().encode(), auth))
+    assert honest[0] == 200, honest
+
+
+def test_a_status_outside_the_runs_window_is_refused_over_the_wire_and_not_stored(gateway):
+    """The host's own client reporting a version the learner never published: 400, counted by reason, and the
+    learner's side still holds the last true status."""
+    import ray
+
+    from gepo_sampler.remote.protocol import STATUS_VERSION
+
+    remote, token, cert = gateway
+    proxy = remote.replicas["far"].proxy
+
+    async def run():
+        async with GatewayClient(remote.url, "far", token, ca_cert=cert) as client:
+            await client.report(SamplerStatus(version=0))
+            for bad in (SamplerStatus(version=7), SamplerStatus(version=-1), SamplerStatus(version=0, pulling=3)):
+                with pytest.raises(aiohttp.ClientResponseError, match=STATUS_VERSION):
+                    await client.report(bad)
+                with pytest.raises(aiohttp.ClientResponseError, match=STATUS_VERSION):
+                    await client.poll(bad, wait_s=0.2)
+
+    asyncio.run(run())
+    report = ray.get(proxy.report.remote())
+    assert report["status"]["version"] == 0 and report["status"]["pulling"] is None
+    assert report["refused"] == {STATUS_VERSION: 6}
 
 
 def test_a_retired_sampler_is_told_so_and_rejoins_with_a_new_proxy(gateway):

@@ -20,6 +20,7 @@ from gepo_sampler.remote.protocol import (
     NON_FINITE,
     OUT_OF_VOCAB,
     POSITIVE,
+    STATUS_VERSION,
     TOO_LONG,
     UNKNOWN_REQUEST,
     VERSION_AHEAD,
@@ -145,6 +146,71 @@ def test_the_proxy_fails_a_refused_answer_and_counts_forged_and_garbled_ones():
         assert (await proxy.deliver({"results": [result(request_id="never-sent").model_dump()]}))["refused"] == 1
         assert (await proxy.deliver({"results": [{"request_id": "x", "token_ids": "abc"}]}))["refused"] == 1
         assert proxy.refused == {VERSION_AHEAD: 1, UNKNOWN_REQUEST: 1, MALFORMED: 1}
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"version": -1}, STATUS_VERSION),
+        ({"version": WINDOW.first - 1}, STATUS_VERSION),  # before this run's first version
+        ({"version": WINDOW.latest + 1}, STATUS_VERSION),  # a version the learner never published
+        ({"pulling": WINDOW.latest + 5}, STATUS_VERSION),
+        ({"version": 10**4000}, MALFORMED),  # beyond any 64-bit integer
+        ({"counters": {"results": math.nan}}, MALFORMED),
+        ({"counters": {"results": math.inf}}, MALFORMED),
+        ({"counters": {"results": 1e300}}, MALFORMED),
+        ({"counters": {"results": -1.0}}, MALFORMED),
+        ({"in_flight": 10**9}, MALFORMED),
+    ],
+)
+def test_a_status_that_cannot_be_true_is_refused_by_reason_and_never_stored(change, reason):
+    """Statuses are what the fleet's books, the relay's retention and the staleness floor read: one outside the
+    run's window or with counters no run could count is refused (the gateway answers 400), counted, not stored;
+    by the poll and by a report between polls alike."""
+
+    async def run():
+        proxy = make_proxy()
+        honest = status(version=WINDOW.first, counters={"results": 2.0})
+        assert "refused" not in await proxy.poll(honest, wait_s=0.01)
+        heard = proxy.last_heard
+        bad = {**honest, **change}
+        assert await proxy.poll(bad, wait_s=0.01) == {"refused": reason}
+        assert await proxy.update_status(bad) == {"refused": reason}
+        assert proxy.status.model_dump() == honest and proxy.last_heard == heard  # nothing of it kept
+        assert proxy.refused == {reason: 2}
+        report = await proxy.report()
+        assert all(math.isfinite(value) for value in report["status"]["counters"].values())
+
+    asyncio.run(run())
+
+
+def test_a_garbled_result_fails_the_request_it_names_at_once():
+    """A result that does not parse (a token id beyond 64 bits, a string for the tokens) but names a request the
+    sampler was sent fails that request at once, rather than at the request timeout; the others of the message are
+    still taken."""
+    from gepo_plugin.verl_glue.hetero.remote.proxy import RequestRefused
+
+    async def run():
+        proxy = make_proxy(request_timeout_s=600.0)
+        for garbled in ({"token_ids": [3, 2**63, 5]}, {"token_ids": "abc"}, {"version": "5"}):
+            call, delivered = await exchange(
+                proxy, lambda r, g=garbled: {**result(request_id=r.request_id).model_dump(), **g}
+            )
+            assert delivered == {"accepted": 0, "refused": 1}
+            with pytest.raises(RequestRefused, match="garbled"):
+                await asyncio.wait_for(call, 1.0)  # at once, not after request_timeout_s
+        assert proxy.refused == {MALFORMED: 3}
+        # one garbled and one honest answer in one message: the honest one is trained
+        calls = [asyncio.ensure_future(proxy.generate([1, 2], {"logprobs": True}, request_id=i)) for i in "ab"]
+        first, second = (await proxy.poll(status(), wait_s=1.0))["requests"]
+        body = {"results": [{**result(request_id=first["request_id"]).model_dump(), "token_ids": [2**64]},
+                            result(request_id=second["request_id"]).model_dump()]}  # fmt: skip
+        assert await proxy.deliver(body) == {"accepted": 1, "refused": 1}
+        with pytest.raises(RequestRefused):
+            await calls[0]
+        assert (await calls[1]).token_ids == [3, 4, 5]
 
     asyncio.run(run())
 

@@ -101,3 +101,16 @@ def test_the_learners_vllm_has_every_name_the_host_uses(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     answer = next(line for line in done.stdout.splitlines() if line.startswith("CONTRACT "))  # vLLM logs to stdout
     assert answer == "CONTRACT 0.30.0 []", done.stdout[-3000:]
+
+
+@pytest.mark.host_env
+def test_no_plugin_of_the_project_loads_inside_the_hosts_vllm(tmp_path):
+    """vLLM loads every ``vllm.general_plugins`` entry point in each of its processes: where the host runs, none is
+    the project's (the learner's CPU-backend hook ships with gepo-plugin, not with gepo-sampler)."""
+    code = (
+        "from importlib.metadata import entry_points; "
+        "print('PLUGINS', sorted(e.value for e in entry_points(group='vllm.general_plugins')))"
+    )
+    done = run(code, tmp_path)
+    answer = next(line for line in done.stdout.splitlines() if line.startswith("PLUGINS"))
+    assert "gepo" not in answer, answer

@@ -190,3 +190,22 @@ def test_a_weight_bucket_is_released_once_attached_so_a_dead_engine_leaves_nothi
     report, left = _probe(tmp_path, "bucket", skip=skip)
     assert "error" not in report and report["bucket"].startswith("verl_weights_"), report["output"][-3000:]
     assert (report["bucket"] in left) == bool(skip), (report, left)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_plugins_hook_in_every_vllm_process_is_inert_outside_the_cpu_backend():
+    """vLLM calls ``vllm.general_plugins`` entry points in each of its processes, GPU ones too: without the CPU
+    backend (no ``VERL_PLATFORM=cpu``) the plugin's hook applies nothing and leaves tqdm's lock alone; with it, it
+    applies its one patch (the control: the same code does act)."""
+    code = (
+        "from importlib.metadata import entry_points; from tqdm import tqdm; from gepo_plugin import patching; "
+        "before = tqdm.get_lock(); "
+        "[hook] = [e for e in entry_points(group='vllm.general_plugins') if e.value.startswith('gepo_plugin')]; "
+        "hook.load()(); print('HOOK', tqdm.get_lock() is before, patching.applied_patches())"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "VERL_PLATFORM"}
+    outside = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    inside = _python(code)
+    answers = [next(line for line in done.stdout.splitlines() if line.startswith("HOOK")) for done in (outside, inside)]
+    assert answers == ["HOOK True []", "HOOK False ['vllm_cpu_shm_release']"], (answers, inside.stderr[-2000:])

@@ -1,10 +1,10 @@
 """The sampler host's side of the wire: it dials the learner's gateway (one HTTPS URL) and opens no port itself.
 
 Every call carries the sampler's bearer token, verifies the gateway's certificate (a private CA or a self-signed
-certificate with ``--ca-cert``), has a timeout and a body-size limit. A call the gateway refuses with 401/403 (a
-wrong token), 404 (a name the learner does not know) or 426 (another protocol: both sides' versions and the fix) is
-permanent: the host stops and says why. 410 means the learner retired this sampler: the host keeps polling and
-rejoins when the learner takes it back.
+certificate with ``--ca-cert``), has a timeout and a body-size limit. A call the gateway refuses with 401 (a wrong
+token, or a name the learner does not know: the gateway answers both alike), 403 (quarantined), 404 (a name an older
+gateway does not know) or 426 (another protocol: both sides' versions and the fix) is permanent: the host stops and says
+why. 410 means the learner retired this sampler: the host keeps polling and rejoins when the learner takes it back.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ the vocabulary, or longer than the request allowed. The checks are vectorised (o
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -43,6 +43,13 @@ def protocol_mismatch(learner: tuple[object, object], host: tuple[object, object
 
 _MESSAGE = ConfigDict(extra="forbid", frozen=True)
 
+#: Every integer a message carries fits a signed 64-bit one (checked before anything becomes an array: a token id of
+#: 2**63 would overflow numpy's int64)
+WireInt = Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)]
+#: The largest count a host may report: finite, not negative, and below what any run could count
+COUNTER_MAX = 1e15
+HostCounter = Annotated[float, Field(ge=0.0, le=COUNTER_MAX, allow_inf_nan=False)]
+
 #: Why a response was refused (the counters' names, ``hetero/remote/<sampler>/refused/<reason>``).
 UNKNOWN_REQUEST = "unknown_request"
 VERSION_UNPUBLISHED = "version_unpublished"
@@ -53,8 +60,11 @@ NON_FINITE = "non_finite_logprob"
 POSITIVE = "positive_logprob"
 OUT_OF_VOCAB = "token_out_of_vocab"
 MALFORMED = "malformed"
-#: every reason a result is refused for (the metrics ``hetero/remote/<name>/refused/<reason>``)
+#: a status whose version (held or being pulled) lies outside the run's window
+STATUS_VERSION = "status_version"
+#: every reason a result or a status is refused for (the metrics ``hetero/remote/<name>/refused/<reason>``)
 REFUSAL_REASONS = (
+    STATUS_VERSION,
     UNKNOWN_REQUEST,
     VERSION_UNPUBLISHED,
     VERSION_AHEAD,
@@ -98,15 +108,15 @@ class SamplerStatus(BaseModel):
 
     model_config = _MESSAGE
 
-    protocol: StrictInt = PROTOCOL_VERSION
-    version: StrictInt | None = Field(None, description="the weight version its engine holds (None: none yet)")
-    pulling: StrictInt | None = Field(None, description="the version it is pulling from the store, if any")
+    protocol: WireInt = PROTOCOL_VERSION
+    version: WireInt | None = Field(None, description="the weight version its engine holds (None: none yet)")
+    pulling: WireInt | None = Field(None, description="the version it is pulling from the store, if any")
     engine_alive: StrictBool = True
-    in_flight: StrictInt = Field(0, ge=0)
+    in_flight: StrictInt = Field(0, ge=0, le=1_000_000)
     error: str | None = Field(None, max_length=4000, description="why it cannot generate (a fatal store error...)")
     engine: str = Field("", max_length=200, description="the inference engine and its version, e.g. vllm 0.30.0")
     dtype: str | None = Field(None, max_length=40, description="the dtype its engine computes in, e.g. float32")
-    counters: dict[str, float] = Field(default_factory=dict)
+    counters: dict[Annotated[str, Field(max_length=64)], HostCounter] = Field(default_factory=dict, max_length=64)
 
 
 class Result(BaseModel):
@@ -115,10 +125,10 @@ class Result(BaseModel):
     model_config = _MESSAGE
 
     request_id: str = Field(..., min_length=1, max_length=128)
-    token_ids: list[StrictInt]
+    token_ids: list[WireInt]
     log_probs: list[float] | None = None
     finish_reason: Literal["stop", "length", "abort"]
-    version: StrictInt
+    version: WireInt
     #: why the sampler could not generate this request (its engine refused it); the request then fails
     error: str | None = Field(None, max_length=2000)
 
@@ -160,6 +170,24 @@ class RefusedResult(ValueError):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+
+
+class RefusedStatus(ValueError):
+    """A status that cannot be true; ``reason`` is one of :data:`REFUSAL_REASONS`. It is never stored."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def check_status(status: SamplerStatus, window: VersionWindow) -> None:
+    """Raise :class:`RefusedStatus` unless the versions ``status`` names (held, being pulled) are this run's and none
+    newer than the learner's: what the fleet's books, the relay's retention and the staleness floor read from it."""
+    for field, version in (("version", status.version), ("pulling", status.pulling)):
+        if version is not None and not window.first <= version <= window.latest:
+            raise RefusedStatus(
+                STATUS_VERSION, f"{field} {version} outside this run's versions [{window.first}, {window.latest}]"
+            )
 
 
 def check_result(result: Result, request: GenerateRequest, window: VersionWindow, vocab_size: int) -> None:

@@ -9,7 +9,10 @@ against the token in the environment variable the sampler's entry names, read on
 ``max_body_mb``, and hands the call to the sampler's
 :class:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy`. A sampler the fleet retired gets 410 and is
 recorded as asking to rejoin (:meth:`RemoteGateway.rejoining`); the fleet takes it back at its next safe point.
-Refusals are counted per sampler and reason (a wrong token: ``unauthorised``).
+Refusals are counted per sampler and reason (a wrong token: ``unauthorised``; a name no entry lists gets the same 401
+and counts as ``unknown_sampler``). A body is read as UTF-8 JSON whatever it declares, and anything else is a 400
+(never a 500); what a sampler reports is checked by its proxy before anything is stored (a status naming a version
+outside the run's window is refused with 400, counted by reason).
 """
 
 from __future__ import annotations
@@ -31,6 +34,16 @@ from gepo_sampler.remote.protocol import PACKAGE_HEADER, PROTOCOL_HEADER, PROTOC
 from gepo_sampler.remote.settings import GatewayConfig, RemoteSamplerConfig
 
 logger = logging.getLogger(__name__)
+
+#: what an unknown name's token is compared with (so that it costs what a known one's does)
+_NO_TOKEN = b"\0" * 32
+
+
+def _unless_refused(answer: dict) -> dict:
+    """A proxy's answer, or 400 where it refused the sampler's status (it counted the reason and stored nothing)."""
+    if "refused" in answer:
+        raise web.HTTPBadRequest(text=f"status refused: {answer['refused']}")
+    return answer
 
 
 class RemoteGateway:
@@ -102,15 +115,18 @@ class RemoteGateway:
 
     # ------------------------------------------------------------------ HTTP
     def _authorised(self, request: web.Request) -> str:
+        """The sampler a call is for, if its token is right. An unknown name gets the same answer as a wrong token
+        (names cannot be enumerated without one), after the same constant-time comparison."""
         name = request.match_info["name"]
         expected = self._tokens.get(name)
-        if expected is None:
-            self.refusals["unknown_sampler"] += 1
-            raise web.HTTPNotFound(text=f"no remote sampler named {name!r} in hetero.remote_samplers")
-        given = request.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme != "Bearer" or not hmac.compare_digest(token.encode(), expected):
-            self.refusals[f"{name}/unauthorised"] += 1
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        try:
+            given = token.encode("utf-8", "surrogateescape")  # header bytes that are not UTF-8 arrive escaped
+        except UnicodeError:
+            given = b""
+        right = hmac.compare_digest(given, expected if expected is not None else _NO_TOKEN)
+        if expected is None or scheme != "Bearer" or not right:
+            self.refusals["unknown_sampler" if expected is None else f"{name}/unauthorised"] += 1
             logger.warning("hetero: a call for remote sampler %r with a wrong token, from %s", name, request.remote)
             raise web.HTTPUnauthorized(text="wrong or missing bearer token")
         if name in self.quarantined:
@@ -129,9 +145,12 @@ class RemoteGateway:
         return web.HTTPGone(text=f"remote sampler {name!r} is retired; it rejoins when the learner takes it back")
 
     async def _body(self, request: web.Request, name: str) -> dict:
+        """The call's JSON object (UTF-8 whatever charset it declares); 400 and counted for anything else: bytes
+        that are not UTF-8, integers beyond the parser's limit, nesting beyond the interpreter's."""
+        raw = await request.read()  # over max_body_mb: 413
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
             self.refusals[f"{name}/malformed"] += 1
             raise web.HTTPBadRequest(text="the body is not JSON") from None
         if not isinstance(body, dict):
@@ -156,13 +175,14 @@ class RemoteGateway:
         body = await self._body(request, name)
         proxy = self._proxy(name)
         wait_s = self.config.poll_wait_s
-        return web.json_response(await self._proxy_call(name, proxy.poll.remote(body, wait_s), wait_s + 30.0))
+        answer = await self._proxy_call(name, proxy.poll.remote(body, wait_s), wait_s + 30.0)
+        return web.json_response(_unless_refused(answer))
 
     async def _status(self, request: web.Request) -> web.Response:
         name = self._authorised(request)
         body = await self._body(request, name)
         proxy = self._proxy(name)
-        await self._proxy_call(name, proxy.update_status.remote(body), 30.0)
+        _unless_refused(await self._proxy_call(name, proxy.update_status.remote(body), 30.0))
         return web.json_response({})
 
     async def _proxy_call(self, name: str, call: Any, timeout_s: float) -> Any:

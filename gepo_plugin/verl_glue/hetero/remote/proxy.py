@@ -35,12 +35,13 @@ from gepo_sampler.remote.protocol import (
     UNKNOWN_REQUEST,
     GenerateRequest,
     RefusedResult,
+    RefusedStatus,
     Result,
-    Results,
     SamplerStatus,
     VersionWindow,
     Work,
     check_result,
+    check_status,
 )
 from gepo_sampler.remote.settings import GatewayConfig
 
@@ -254,16 +255,34 @@ class RemoteSamplerProxy:
         return None
 
     # ------------------------------------------------------------------ the gateway's calls
-    async def update_status(self, status: dict) -> None:
-        """The sampler's status between polls (it installed a version, or failed): the fleet reads it at once."""
-        self.status = SamplerStatus.model_validate(status)
+    def _accept_status(self, body: object) -> str | None:
+        """Store the sampler's status if it can be true; else why not (counted by reason, nothing stored: the fleet's
+        books, the relay's retention and the staleness floor read it)."""
+        try:
+            status = SamplerStatus.model_validate(body)
+            check_status(status, self.window)
+        except ValidationError as error:
+            self._refuse(MALFORMED, f"a garbled status ({error.error_count()} errors)")
+            return MALFORMED
+        except RefusedStatus as refused:
+            self._refuse(refused.reason, f"its status: {refused}")
+            return refused.reason
+        self.status = status
         self.last_heard = time.monotonic()
+        return None
+
+    async def update_status(self, status: dict) -> dict:
+        """The sampler's status between polls (it installed a version, or failed): the fleet reads it at once.
+        ``{"refused": reason}`` for one that cannot be true (the gateway answers 400)."""
+        refused = self._accept_status(status)
+        return {"refused": refused} if refused is not None else {}
 
     async def poll(self, status: dict, wait_s: float) -> dict:
         """The sampler's long poll: record its status; hand out queued requests (waiting up to ``wait_s`` for some,
-        or until an abort must reach it)."""
-        self.status = SamplerStatus.model_validate(status)
-        self.last_heard = time.monotonic()
+        or until an abort must reach it). ``{"refused": reason}`` for a status that cannot be true."""
+        refused = self._accept_status(status)
+        if refused is not None:
+            return {"refused": refused}
         self._open_polls += 1
         try:
             return await self._hand_out(wait_s)
@@ -307,11 +326,17 @@ class RemoteSamplerProxy:
     async def deliver(self, body: dict) -> dict:
         """The sampler's results: each checked, then handed to the ``generate`` call waiting for it."""
         self.last_heard = time.monotonic()
-        try:
-            results = Results.model_validate(body).results
-        except ValidationError as error:
-            self._refuse(MALFORMED, f"a garbled results message ({error.error_count()} errors)")
+        items = body.get("results") if isinstance(body, dict) and set(body) <= {"results"} else None
+        if not isinstance(items, list):
+            self._refuse(MALFORMED, "a results message that is not a list of results")
             return {"accepted": 0, "refused": 1}
+        results = []
+        for item in items:  # each on its own: a garbled one fails its request at once where it names one
+            try:
+                results.append(Result.model_validate(item))
+            except ValidationError as error:
+                self._refuse(MALFORMED, f"a garbled result ({error.error_count()} errors)")
+                self._fail_named(item, RequestRefused(f"remote sampler {self.name!r}: a garbled result"))
         accepted = 0
         for result in results:
             pending = self._pending.get(result.request_id)
@@ -343,7 +368,14 @@ class RemoteSamplerProxy:
                 dtype=self.status.dtype if self.status is not None else None,
             ):
                 pending.future.set_result(result)
-        return {"accepted": accepted, "refused": len(results) - accepted}
+        return {"accepted": accepted, "refused": len(items) - accepted}
+
+    def _fail_named(self, item: object, error: Exception) -> None:
+        """Fail the request a refused result names, if it is one this sampler was sent and still owes."""
+        request_id = item.get("request_id") if isinstance(item, dict) else None
+        pending = self._pending.get(request_id) if isinstance(request_id, str) else None
+        if pending is not None and pending.sent_at is not None and not pending.future.done() and not pending.answered:
+            pending.future.set_exception(error)
 
     def _refuse(self, reason: str, detail: str) -> None:
         self.refused[reason] += 1
