@@ -103,12 +103,14 @@ class RelayTransport:
 
     # --------------------------------------------------------------- the transport protocol
     def start(self, version: int) -> ArrivalBook:
+        # results and statuses may name this run's versions, none newer than the learner's: the window opens to a
+        # version before it can appear in the store (a host may report it as soon as it sees it)
+        if self.fleet.remote is not None:
+            self.fleet.remote.set_window(version, version)
         self._publish(version)
         groups = len(self.fleet.roster.groups)
         self.book = ArrivalBook(self._replica_groups(), groups, start_version=version, start_time=self.clock())
         self.first_version = version
-        if self.fleet.remote is not None:  # results may claim this run's versions, none newer than the learner's
-            self.fleet.remote.set_window(version, version)
         return self.book
 
     def install_first(self, version: int) -> None:
@@ -133,10 +135,10 @@ class RelayTransport:
         self.book.pull_s = [[] for _ in range(self.book.num_groups)]
 
     def publish(self, version: int) -> None:
+        if self.fleet.remote is not None:  # (before the version can appear in the store: see start)
+            self.fleet.remote.set_window(self.first_version, version)
         self._publish(version)
         self.book.publish(version, self.clock())
-        if self.fleet.remote is not None:
-            self.fleet.remote.set_window(self.first_version, version)
         self._collect()
 
     def collect(self) -> bool:
