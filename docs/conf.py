@@ -76,6 +76,8 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(Tensor|DictConfig|BaseModel|Path|Any|Callable|Iterable|Iterator|Mapping|Sequence|Literal)"),
     (r"py:.*", r"(int|float|str|bool|bytes|dict|list|tuple|set|frozenset|object|None|type)"),
     (r"py:.*", r"(enum|types|annotated_types)\..*"),
+    # the constraints of the wire's Annotated integers and counters, as autodoc prints them (pydantic, annotated_types)
+    (r"py:class", r"(FieldInfo|AllowInfNan|Ge|Gt|Le|Lt|MaxLen|MinLen)"),
     # pydantic fields' constraints, as autodoc prints them in a model's signature
     (r"py:class", r"\w+=.*"),
     # the verl glue and the tools are not part of the Python API pages; their names in docstrings stay text

@@ -197,7 +197,7 @@ def test_a_weight_bucket_is_released_once_attached_so_a_dead_engine_leaves_nothi
 def test_the_plugins_hook_in_every_vllm_process_is_inert_outside_the_cpu_backend():
     """vLLM calls ``vllm.general_plugins`` entry points in each of its processes, GPU ones too: without the CPU
     backend (no ``VERL_PLATFORM=cpu``) the plugin's hook applies nothing and leaves tqdm's lock alone; with it, it
-    applies its one patch (the control: the same code does act)."""
+    applies its patch and replaces the lock (the control: the same code does act)."""
     code = (
         "from importlib.metadata import entry_points; from tqdm import tqdm; from gepo_plugin import patching; "
         "before = tqdm.get_lock(); "
@@ -208,4 +208,6 @@ def test_the_plugins_hook_in_every_vllm_process_is_inert_outside_the_cpu_backend
     outside = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     inside = _python(code)
     answers = [next(line for line in done.stdout.splitlines() if line.startswith("HOOK")) for done in (outside, inside)]
-    assert answers == ["HOOK True []", "HOOK False ['vllm_cpu_shm_release']"], (answers, inside.stderr[-2000:])
+    assert answers[0] == "HOOK True []", answers  # nothing applied, tqdm's lock its own
+    # the CPU backend's patches (importing the plugin under VERL_PLATFORM=cpu applies them) and the hook's own
+    assert answers[1].startswith("HOOK False [") and "'vllm_cpu_shm_release'" in answers[1], answers
