@@ -28,8 +28,10 @@ def freeze(name: str) -> dict[str, str]:
         if "==" in line:
             package, version = line.split("==", 1)
             pins[package.lower().replace("_", "-")] = version
-        elif line.startswith("-e "):
-            pins[re.sub(r".*/", "", line.strip()).lower()] = "editable"
+        elif line.startswith("-e "):  # "-e /path/sampler", or from a git clone "-e git+file:...#egg=gepo_sampler&..."
+            egg = re.search(r"#egg=([\w.-]+)", line)
+            name = egg.group(1) if egg else "gepo-sampler" if line.rstrip("/").endswith("/sampler") else line
+            pins[name.lower().replace("_", "-")] = "editable"
     return pins
 
 
@@ -46,7 +48,7 @@ def test_the_host_installs_beside_vllm_changing_none_of_its_versions_and_adding_
     changed = {name: (pin, with_host.get(name)) for name, pin in alone.items() if with_host.get(name) != pin}
     assert changed == {}, changed  # nothing vLLM chose was replaced or removed
     added = set(with_host) - set(alone)
-    assert "sampler" in added  # gepo-sampler, editable from sampler/
+    assert "gepo-sampler" in added  # editable from sampler/
     assert not added & {"ray", "verl", "hydra-core", "omegaconf", "transferqueue", "megatron-core", "gepo-plugin"}
     assert all(name in alone for name in VLLM_CHOICES)
     # pip check finds nothing the host's install did not find before it (vLLM's own findings stay vLLM's)
