@@ -315,6 +315,7 @@ def test_a_sampler_in_a_held_poll_is_not_silent_and_its_status_reports_reach_the
     import ray
 
     remote, _ = remote_samplers(tmp_path, monkeypatch, tls=False, poll_wait_s=2.0, sampler_timeout_s=1.0)
+    remote.set_window(0, 1)  # version 1 published: the status reported below may name it
     proxy = remote.replicas["far"].proxy
 
     async def run():
@@ -322,7 +323,7 @@ def test_a_sampler_in_a_held_poll_is_not_silent_and_its_status_reports_reach_the
             held = asyncio.ensure_future(client.poll(SamplerStatus(version=0), wait_s=2.0))
             await asyncio.sleep(1.5)  # past the timeout, inside the poll
             during = ray.get(proxy.report.remote())
-            await client.report(SamplerStatus(version=1))
+            await client.report(SamplerStatus(version=1))  # (published: the window below is opened to it)
             reported = ray.get(proxy.report.remote())
             await held
             await asyncio.sleep(1.3)  # silent past the timeout since the poll ended

@@ -40,9 +40,10 @@ _NO_TOKEN = b"\0" * 32
 
 
 def _unless_refused(answer: dict) -> dict:
-    """A proxy's answer, or 400 where it refused the sampler's status (it counted the reason and stored nothing)."""
-    if "refused" in answer:
-        raise web.HTTPBadRequest(text=f"status refused: {answer['refused']}")
+    """A proxy's answer, or 400 where it refused the sampler's message whole (a status that cannot be true, results
+    that are not a list): it counted the reason and stored nothing. (Results answer counts of their own.)"""
+    if isinstance(answer.get("refused"), str):
+        raise web.HTTPBadRequest(text=f"refused: {answer['refused']}")
     return answer
 
 
@@ -200,4 +201,4 @@ class RemoteGateway:
         name = self._authorised(request)
         body = await self._body(request, name)
         proxy = self._proxy(name)
-        return web.json_response(await self._proxy_call(name, proxy.deliver.remote(body), 30.0))
+        return web.json_response(_unless_refused(await self._proxy_call(name, proxy.deliver.remote(body), 30.0)))

@@ -327,9 +327,9 @@ class RemoteSamplerProxy:
         """The sampler's results: each checked, then handed to the ``generate`` call waiting for it."""
         self.last_heard = time.monotonic()
         items = body.get("results") if isinstance(body, dict) and set(body) <= {"results"} else None
-        if not isinstance(items, list):
+        if not isinstance(items, list):  # nothing in it can be named: the gateway answers 400
             self._refuse(MALFORMED, "a results message that is not a list of results")
-            return {"accepted": 0, "refused": 1}
+            return {"refused": MALFORMED}
         results = []
         for item in items:  # each on its own: a garbled one fails its request at once where it names one
             try:
