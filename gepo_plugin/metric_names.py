@@ -196,7 +196,14 @@ METRICS: tuple[Metric, ...] = (
     Metric(REMOTE + "{sampler}/unauthorised", "calls in its name with a wrong or missing token (refused)"),
     Metric(REMOTE + "{sampler}/malformed", "calls in its name whose body was not a valid message (refused)"),
     Metric(REMOTE + "{sampler}/protocol", "hellos in its name from a host of another protocol version (refused)"),
+    Metric(
+        REMOTE + "{sampler}/idle", "calls in its name whose body stopped arriving for hetero.gateway.idle_timeout_s"
+    ),
     Metric(REMOTE + "unknown_sampler", "calls for a sampler name hetero.remote_samplers does not list (refused)"),
+    Metric(
+        REMOTE + "rate_limited",
+        "wrong tokens answered 429 and unlogged: beyond hetero.gateway.auth_failures_per_minute from one address",
+    ),
     # the audit of remote samplers (hetero.audit), per sampler name
     Metric(REMOTE + "{sampler}/audited", "its results selected for an audit (hetero.audit.fraction)"),
     Metric(REMOTE + "{sampler}/audit_errors", "audits that could not run (the result was released unaudited)"),

@@ -23,18 +23,17 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv-host/bin/python -
 fi
 echo "[bootstrap-host] installing $host_vllm and gepo-sampler into .venv-host (a minute or two, once)"
 pip=(.venv-host/bin/python -m pip)
-# --no-compile: as for .venv (scripts/bootstrap.sh); torch and vLLM alone took 54 s compiled, 24 s not
 "${pip[@]}" install --quiet --upgrade pip
 # the machine's CPU build of torch, as for .venv (scripts/constraints.txt): vLLM's CPU build asks for this one
-"${pip[@]}" install --quiet --no-compile -c scripts/constraints.txt torch
-"${pip[@]}" install --quiet --no-compile -c scripts/constraints.txt "$host_vllm"
+"${pip[@]}" install --quiet -c scripts/constraints.txt torch
+"${pip[@]}" install --quiet -c scripts/constraints.txt "$host_vllm"
 # vLLM's CPU build asks for torchvision, torchaudio and torchcodec unpinned; their PyPI builds are for another torch
 # and fail to load beside the CPU build, and vLLM's text path needs none of them
 "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec
 # what vLLM alone chose, then the host beside it: tests/test_sampler_host_env.py compares the two
 "${pip[@]}" freeze --all > .venv-host/vllm-only.txt
 "${pip[@]}" check > .venv-host/vllm-only-check.txt || true
-"${pip[@]}" install --quiet --no-compile -c scripts/constraints.txt -e "./sampler[s3]"
+"${pip[@]}" install --quiet -c scripts/constraints.txt -e "./sampler[s3]"
 "${pip[@]}" freeze --all > .venv-host/with-host.txt
 "${pip[@]}" check > .venv-host/with-host-check.txt || true
 echo "$want" > "$stamp"

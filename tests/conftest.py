@@ -49,7 +49,7 @@ LANES = {
 #: Modules of the second phase that run alone, after the lanes (marked ``solo``): their assertions are about timings of
 #: a second or less (paced polls, probes, a held long poll), or they end every Ray process of the machine (the Slurm
 #: job's ``ray stop``, on one machine standing in for several).
-SOLO = ("test_replay_poll", "test_hetero_health", "test_remote_gateway", "test_slurm_e2e")
+SOLO = ("test_replay_poll", "test_hetero_health", "test_remote_gateway", "test_gateway_properties", "test_slurm_e2e")
 
 
 def lane_of(nodeid: str) -> str | None:

@@ -1,23 +1,19 @@
 """The learner's gateway over real HTTPS, dialled by the sampler host's own client: TLS, tokens, limits, rejoining.
 
 The gateway and a proxy run as Ray actors exactly as in a run (:class:`RemoteSamplers`); the sampler's side is the
-host's :class:`~gepo_sampler.host.gateway_client.GatewayClient` (aiohttp), with a self-signed certificate made
-here (``cryptography``) and given to the client as its CA. No vLLM: what is checked is the wire.
+host's :class:`~gepo_sampler.host.gateway_client.GatewayClient` (aiohttp), with a self-signed certificate
+(``tests/gateway_fixtures.py``) and given to the client as its CA. No vLLM: what is checked is the wire.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
+import time
 
 import aiohttp
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from free_ports import free_port
+from gateway_fixtures import TOKEN_ENV, remote_samplers
 from remote_hosts import ray_with_token
 
 from gepo_plugin.hetero.settings import parse_hetero
@@ -26,32 +22,6 @@ from gepo_sampler.relay.signing import generate_pair
 from gepo_sampler.remote.protocol import Results, SamplerStatus, VersionWindow
 
 pytestmark = pytest.mark.ray
-TOKEN_ENV = "GEPO_TEST_GATEWAY_TOKEN"
-
-
-def self_signed(tmp_path) -> tuple[str, str]:
-    """A certificate for 127.0.0.1 signed by its own key: (certificate file, key file)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gepo-gateway-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert, pem = tmp_path / "gateway.pem", tmp_path / "gateway.key"
-    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    pem.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return str(cert), str(pem)
 
 
 @pytest.fixture(scope="module")
@@ -59,25 +29,6 @@ def cluster():
     """A local Ray whose workers see the token (as on the learner's node: set before Ray starts)."""
     with ray_with_token(TOKEN_ENV, num_cpus=2) as token:
         yield token
-
-
-def remote_samplers(tmp_path, monkeypatch, tls: bool = True, **gateway):
-    """:class:`RemoteSamplers` for one sampler ``far`` as a run builds them; (them, the CA certificate or None)."""
-    from gepo_plugin.verl_glue.hetero.remote.members import RemoteSamplers
-
-    monkeypatch.setenv("GEPO_TEST_KEY", generate_pair()[0])
-    cert, key = self_signed(tmp_path) if tls else (None, None)
-    hetero = parse_hetero(
-        {
-            "enable": True,
-            "transport": "relay",
-            "relay": {"url": str(tmp_path), "run_id": "r", "signing_key_env": "GEPO_TEST_KEY", "public_key": "ab" * 32},
-            "remote_samplers": [{"name": "far", "token_env": TOKEN_ENV}],
-            "gateway": {"host": "127.0.0.1", "port": free_port(), "certfile": cert, "keyfile": key, **gateway},
-        }
-    )
-    hello = {"run_id": "r", "relay_url": str(tmp_path), "first_version": 0, "learner_version": 0}
-    return RemoteSamplers(hetero, 0, VersionWindow(first=0, latest=0), 100, 8, hello, 100_000), cert
 
 
 @pytest.fixture
@@ -401,3 +352,105 @@ def test_a_resumed_run_keeps_a_quarantined_sampler_out_and_its_audit_books_conti
         import ray
 
         ray.get(remote.gateway.stop.remote())
+
+
+async def _closed_after(reader: asyncio.StreamReader, limit_s: float) -> tuple[float, bytes]:
+    """Seconds until the gateway closed the connection (read to its end), and what it sent before."""
+    start = time.monotonic()
+    sent = await asyncio.wait_for(reader.read(), limit_s)
+    return time.monotonic() - start, sent
+
+
+def test_idle_and_half_sent_connections_are_closed_and_a_held_poll_is_not(cluster, tmp_path, monkeypatch):
+    """With ``idle_timeout_s=1``: a connection that never sends a call, one whose headers stop half way, one whose
+    body stops half way (408, counted) and one idle after an answered call are each closed within about a second
+    (plus the second a refused body's rest is read for); meanwhile the host's own client holds a 3 s long poll on
+    another connection and gets its answer."""
+    import ray
+
+    remote, _ = remote_samplers(tmp_path, monkeypatch, tls=False, idle_timeout_s=1.0, poll_wait_s=3.0)
+    host, port = remote.url.removeprefix("http://").rsplit(":", 1)
+    auth = f"Authorization: Bearer {cluster}\r\n".encode()
+    status = SamplerStatus(version=0).model_dump_json().encode()
+    openings = {
+        "silent": b"",
+        "half headers": b"POST /v1/samplers/far/status HTTP/1.1\r\nHost: x\r\n",
+        "half body": b"POST /v1/samplers/far/status HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 100\r\n\r\n{",
+        "idle after a call": b"POST /v1/samplers/far/status HTTP/1.1\r\nHost: x\r\n"
+        + auth
+        + f"Content-Length: {len(status)}\r\n\r\n".encode()
+        + status,
+    }
+
+    async def run():
+        async with GatewayClient(remote.url, "far", cluster) as client:
+            held = asyncio.ensure_future(client.poll(SamplerStatus(version=0), wait_s=3.0))
+            connections = [await asyncio.open_connection(host, int(port)) for _ in openings]
+            for (_, writer), opening in zip(connections, openings.values(), strict=True):
+                writer.write(opening)
+                await writer.drain()
+            closed = await asyncio.gather(*(_closed_after(reader, 10.0) for reader, _ in connections))
+            work = await held
+            for _, writer in connections:
+                writer.close()
+            return dict(zip(openings, closed, strict=True)), work
+
+    try:
+        closed, work = asyncio.run(run())
+        counts = ray.get(remote.gateway.counts.remote())
+    finally:
+        ray.get(remote.gateway.stop.remote())
+    assert all(0.5 < seconds < 3.5 for seconds, _ in closed.values()), closed
+    assert closed["silent"][1] == b"" and closed["half headers"][1] == b"", closed
+    assert closed["half body"][1].startswith(b"HTTP/1.1 408"), closed
+    assert closed["idle after a call"][1].startswith(b"HTTP/1.1 200"), closed
+    assert work.requests == [] and not work.abort  # the held poll, longer than the timeout, was answered
+    assert counts == {"far/idle": 1.0}
+
+
+def test_wrong_tokens_beyond_the_limit_get_429_unlogged_per_address_and_the_right_token_is_never_limited(
+    cluster, tmp_path, monkeypatch
+):
+    """``auth_failures_per_minute=3``: from 127.0.0.1, eight wrong tokens get 401 three times (each logged) and 429
+    with Retry-After after; from 127.0.0.2 (another address) a wrong token still gets 401; the right token from the
+    first address is answered."""
+    import ray
+
+    remote, _ = remote_samplers(tmp_path, monkeypatch, tls=False, auth_failures_per_minute=3)
+    gateway_log = "gepo_plugin.verl_glue.hetero.remote.gateway"
+
+    def count_warnings(gateway) -> None:  # runs in the gateway's actor: its log lines, counted
+        import logging
+
+        class Count(logging.Handler):
+            lines = 0
+
+            def emit(self, record: logging.LogRecord) -> None:
+                Count.lines += 1
+
+        gateway.log_lines = Count
+        logging.getLogger(gateway_log).addHandler(Count())
+
+    async def call(token: str, local: str = "127.0.0.1") -> tuple[int, str | None]:
+        connector = aiohttp.TCPConnector(local_addr=(local, 0))
+        async with aiohttp.ClientSession(connector=connector) as session:
+            headers = {"Authorization": f"Bearer {token}"}
+            status = SamplerStatus(version=0).model_dump_json()
+            async with session.post(f"{remote.url}/v1/samplers/far/status", data=status, headers=headers) as answer:
+                return answer.status, answer.headers.get("Retry-After")
+
+    async def run():
+        flood = [await call("wrong-" + cluster) for _ in range(8)]
+        return flood, await call("wrong-" + cluster, local="127.0.0.2"), await call(cluster)
+
+    try:
+        ray.get(remote.gateway.__ray_call__.remote(count_warnings))
+        flood, elsewhere, right = asyncio.run(run())
+        lines = ray.get(remote.gateway.__ray_call__.remote(lambda gateway: gateway.log_lines.lines))
+        counts = ray.get(remote.gateway.counts.remote())
+    finally:
+        ray.get(remote.gateway.stop.remote())
+    assert flood == [(401, None)] * 3 + [(429, "60")] * 5, flood
+    assert elsewhere == (401, None) and right == (200, None)
+    assert lines == 4  # one per 401, none per 429
+    assert counts == {"far/unauthorised": 4.0, "rate_limited": 5.0}

@@ -111,6 +111,21 @@ class GatewayConfig(BaseModel):
         description="a sampler not heard from for this long (no poll, no result) is lost: its requests fail and it is "
         "retired; when it dials again it rejoins",
     )
+    idle_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="a connection that sends nothing for this long is closed: one idle between calls, one that never "
+        "sends a call, and one whose call stops half sent (its headers; its body gets 408); a long poll the gateway "
+        "holds is not idle. Keep it above the host's own keep-alive (15 s), which closes first",
+    )
+    auth_failures_per_minute: StrictInt = Field(
+        10,
+        ge=1,
+        description="calls with a wrong or missing token (or an unknown name) answered 401 and logged, per client "
+        "address and minute; beyond it they get 429 with Retry-After and no log line (counted as rate_limited). "
+        "Calls with the right token are never limited",
+    )
     request_timeout_s: float = Field(
         600.0,
         gt=0,

@@ -10,9 +10,12 @@ against the token in the environment variable the sampler's entry names, read on
 :class:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy`. A sampler the fleet retired gets 410 and is
 recorded as asking to rejoin (:meth:`RemoteGateway.rejoining`); the fleet takes it back at its next safe point.
 Refusals are counted per sampler and reason (a wrong token: ``unauthorised``; a name no entry lists gets the same 401
-and counts as ``unknown_sampler``). A body is read as UTF-8 JSON whatever it declares, and anything else is a 400
-(never a 500); what a sampler reports is checked by its proxy before anything is stored (a status naming a version
-outside the run's window is refused with 400, counted by reason).
+and counts as ``unknown_sampler``); wrong tokens beyond ``auth_failures_per_minute`` from one client address get 429,
+unlogged (``rate_limited``). A connection silent for ``idle_timeout_s`` is closed, whether idle between calls, never
+sending one, or stopping half way through one (a body that stops arriving gets 408, counted as ``idle``). A body is
+read as UTF-8 JSON whatever it declares, and anything else is a 400 (never a 500); what a sampler reports is checked
+by its proxy before anything is stored (a status naming a version outside the run's window is refused with 400,
+counted by reason).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from typing import Any
 
 import ray
 from aiohttp import web
+from limits import RateLimitItemPerMinute
+from limits.storage import MemoryStorage
+from limits.strategies import MovingWindowRateLimiter
 
 import gepo_sampler
 from gepo_sampler.remote.protocol import PACKAGE_HEADER, PROTOCOL_HEADER, PROTOCOL_VERSION, Hello, protocol_mismatch
@@ -61,6 +67,9 @@ class RemoteGateway:
         self.quarantined: set[str] = set()
         self.refusals: Counter[str] = Counter()
         self._runner: web.AppRunner | None = None
+        #: wrong tokens per client address in the last minute: beyond the limit, 429 and no log line
+        self._auth_failures = MovingWindowRateLimiter(MemoryStorage())
+        self._auth_limit = RateLimitItemPerMinute(config.auth_failures_per_minute)
 
     async def start(self) -> str:
         """Listen; returns the URL samplers dial."""
@@ -77,7 +86,10 @@ class RemoteGateway:
         if self.config.tls:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(self.config.certfile, self.config.keyfile)
-        self._runner = web.AppRunner(app, access_log=None)
+        # a connection with no call for idle_timeout_s is closed (aiohttp's keep-alive timer also runs from the
+        # connection's start and through half-sent headers); a refused body's rest is read for at most as long
+        idle = self.config.idle_timeout_s
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=idle, lingering_time=min(idle, 10.0))
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=context)
         await site.start()
@@ -127,6 +139,11 @@ class RemoteGateway:
             given = b""
         right = hmac.compare_digest(given, expected if expected is not None else _NO_TOKEN)
         if expected is None or scheme != "Bearer" or not right:
+            if not self._auth_failures.hit(self._auth_limit, request.remote or "unknown"):
+                self.refusals["rate_limited"] += 1  # a flood of wrong tokens costs no log line each
+                raise web.HTTPTooManyRequests(
+                    text="too many wrong tokens from this address", headers={"Retry-After": "60"}
+                )
             self.refusals["unknown_sampler" if expected is None else f"{name}/unauthorised"] += 1
             logger.warning("hetero: a call for remote sampler %r with a wrong token, from %s", name, request.remote)
             raise web.HTTPUnauthorized(text="wrong or missing bearer token")
@@ -148,7 +165,7 @@ class RemoteGateway:
     async def _body(self, request: web.Request, name: str) -> dict:
         """The call's JSON object (UTF-8 whatever charset it declares); 400 and counted for anything else: bytes
         that are not UTF-8, integers beyond the parser's limit, nesting beyond the interpreter's."""
-        raw = await request.read()  # over max_body_mb: 413
+        raw = await self._read(request, name)
         try:
             body = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):
@@ -158,6 +175,28 @@ class RemoteGateway:
             self.refusals[f"{name}/malformed"] += 1
             raise web.HTTPBadRequest(text="the body is not a JSON object")
         return body
+
+    async def _read(self, request: web.Request, name: str) -> bytes:
+        """The body's bytes: 413 past ``max_body_mb``, 408 (and the connection closed) where no byte of it arrives
+        for ``idle_timeout_s`` (a body half sent and left)."""
+        limit = self.config.max_body_bytes
+        if (request.content_length or 0) > limit:  # said up front: refused before a byte of it is read
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+        chunks, size = [], 0
+        while True:
+            try:
+                chunk = await asyncio.wait_for(request.content.readany(), self.config.idle_timeout_s)
+            except asyncio.TimeoutError:
+                self.refusals[f"{name}/idle"] += 1
+                answer = web.HTTPRequestTimeout(text=f"no byte of the body for {self.config.idle_timeout_s:g} s")
+                answer.force_close()
+                raise answer from None
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+            chunks.append(chunk)
 
     async def _hello(self, request: web.Request) -> web.Response:
         name = self._authorised(request)
