@@ -182,21 +182,22 @@ class RemoteGateway:
         limit = self.config.max_body_bytes
         if (request.content_length or 0) > limit:  # said up front: refused before a byte of it is read
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-        chunks, size = [], 0
-        while True:
-            try:
-                chunk = await asyncio.wait_for(request.content.readany(), self.config.idle_timeout_s)
-            except asyncio.TimeoutError:
-                self.refusals[f"{name}/idle"] += 1
-                answer = web.HTTPRequestTimeout(text=f"no byte of the body for {self.config.idle_timeout_s:g} s")
-                answer.force_close()
-                raise answer from None
-            if not chunk:
-                return b"".join(chunks)
-            size += len(chunk)
-            if size > limit:
-                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
-            chunks.append(chunk)
+        chunks, size, idle = [], 0, self.config.idle_timeout_s
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(idle) as silence:  # one timer, moved on by every chunk (no task per read)
+                while chunk := await request.content.readany():
+                    silence.reschedule(loop.time() + idle)
+                    size += len(chunk)
+                    if size > limit:
+                        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+                    chunks.append(chunk)
+        except TimeoutError:
+            self.refusals[f"{name}/idle"] += 1
+            answer = web.HTTPRequestTimeout(text=f"no byte of the body for {idle:g} s")
+            answer.force_close()
+            raise answer from None
+        return b"".join(chunks)
 
     async def _hello(self, request: web.Request) -> web.Response:
         name = self._authorised(request)
