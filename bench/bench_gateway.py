@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 from common import add_output_options, script_parser, write_json_around
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' free port
 #: the last revision before the gateway checked what samplers report (the commit after it: "the gateway checks ...")
 BEFORE_CHECKS = "098cd34"
 ROUTES = ("status", "poll", "results")
@@ -46,17 +46,12 @@ ROUTES = ("status", "poll", "results")
 LOADS = ("saturated", "paced")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def measure(args) -> dict:
     """In the child: the gateway of the revision on the import path, under the load; calls per second and latencies."""
     import aiohttp
     import psutil
     import ray
+    from free_ports import free_port
 
     import gepo_plugin
     from gepo_plugin.hetero.settings import parse_hetero
@@ -77,7 +72,7 @@ def measure(args) -> dict:
                 "transport": "relay",
                 "relay": {"url": tmp, "run_id": "b", "signing_key_env": "GEPO_BENCH_KEY", "public_key": "ab" * 32},
                 "remote_samplers": [{"name": n, "token_env": f"GEPO_BENCH_TOKEN_{n}"} for n in names],
-                "gateway": {"host": "127.0.0.1", "port": _free_port(), "poll_wait_s": 0.001},
+                "gateway": {"host": "127.0.0.1", "port": free_port(), "poll_wait_s": 0.001},
             }
         )
         hello = {"run_id": "b", "relay_url": tmp, "first_version": 0, "learner_version": 0}

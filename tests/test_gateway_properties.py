@@ -104,7 +104,8 @@ def fleet(tmp_path_factory):
             monkeypatch.undo()
 
 
-async def _post(remote, token: str, route: str, body: bytes, content_type: str | None) -> int:
+async def _post(remote, token: str, route: str, body: bytes, content_type: str | None = None) -> tuple[int, bytes]:
+    """One call of ``far``'s with the right token: its status and body."""
     headers = {"Authorization": f"Bearer {token}"}
     if content_type is not None:
         headers["Content-Type"] = content_type
@@ -113,7 +114,7 @@ async def _post(remote, token: str, route: str, body: bytes, content_type: str |
         aiohttp.ClientSession(skip_auto_headers=("Content-Type",)) as session,
         session.post(url, data=body, headers=headers) as answer,
     ):
-        return answer.status
+        return answer.status, await answer.read()
 
 
 def _handed_out(remote, token: str):
@@ -122,19 +123,14 @@ def _handed_out(remote, token: str):
 
     proxy = remote.replicas["far"].proxy
     call = proxy.generate.remote(PROMPT, {"max_tokens": MAX_TOKENS, "logprobs": 0}, "fuzz")
-
-    async def poll() -> list[dict]:
-        for _ in range(50):
-            status = SamplerStatus(version=1).model_dump_json().encode()
-            async with aiohttp.ClientSession() as session:
-                headers = {"Authorization": f"Bearer {token}"}
-                async with session.post(f"{remote.url}/v1/samplers/far/poll", data=status, headers=headers) as r:
-                    work = await r.json()
-            if work["requests"]:
-                return work["requests"]
+    status = SamplerStatus(version=1).model_dump_json().encode()
+    for _ in range(50):
+        work = json.loads(asyncio.run(_post(remote, token, "poll", status))[1])
+        if work["requests"]:
+            break
+    else:
         raise AssertionError("the request was never handed out")
-
-    [request] = asyncio.run(poll())
+    [request] = work["requests"]
     assert ray.wait([call], timeout=0)[0] == []
     return call, request["request_id"]
 
@@ -154,12 +150,12 @@ def test_no_call_gets_a_server_error_and_nothing_untrue_is_stored_or_trained(fle
     call, request_id = _handed_out(remote, token) if route == "results" else (None, "none")
     body = data.draw(bodies(route, request_id), label="body")
 
-    status = asyncio.run(_post(remote, token, route, body, content_type))
+    status, _ = asyncio.run(_post(remote, token, route, body, content_type))
     assert 200 <= status < 300 or 400 <= status < 500, status
 
     if call is not None:  # the request is answered: by the call, or else by a failure sent now
         failure = {"results": [{**honest_result(request_id), "token_ids": [], "log_probs": [], "error": "over"}]}
-        asyncio.run(_post(remote, token, "results", json.dumps(failure).encode(), None))
+        asyncio.run(_post(remote, token, "results", json.dumps(failure).encode()))
         try:
             output = ray.get(call, timeout=30)
         except ray.exceptions.RayTaskError:

@@ -73,7 +73,7 @@ class RemoteGateway:
 
     async def start(self) -> str:
         """Listen; returns the URL samplers dial."""
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application()  # (the body limit is _read's: every route reads its body there)
         app.add_routes(
             [
                 web.get("/v1/samplers/{name}/hello", self._hello),
