@@ -289,13 +289,13 @@ def test_a_sampler_in_a_held_poll_is_not_silent_and_its_status_reports_reach_the
     assert after["dead"] is not None and "not heard from" in after["dead"] and after["silent_s"] > 1.0
 
 
-def test_a_sampler_whose_proxy_was_killed_before_the_fleet_detached_it_is_told_it_is_retired(gateway):
-    """The fleet kills a retired sampler's proxy, then detaches it: a call in between gets 410 (rejoin), not an error
-    counted against the sampler."""
+def test_a_sampler_whose_proxy_was_removed_before_the_fleet_detached_it_is_told_it_is_retired(gateway):
+    """The fleet takes a retired sampler's proxy out of its pool, then detaches it: a call in between gets 410
+    (rejoin), not an error counted against the sampler."""
     import ray
 
     remote, token, cert = gateway
-    ray.kill(remote.replicas["far"].proxy, no_restart=True)
+    ray.get(remote.replicas["far"].proxy.retire())
 
     async def run():
         async with GatewayClient(remote.url, "far", token, ca_cert=cert) as client:

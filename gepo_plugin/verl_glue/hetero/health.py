@@ -9,6 +9,7 @@ A server whose process lives but whose inference engine died (vLLM's engine-core
 ``vLLMHttpServer`` keeps answering while every request on it waits for ever) is *died* too: beside the address, each
 probe asks the server, on its own event loop, whether its engine reports itself dead
 (:func:`~gepo_plugin.verl_glue.hetero.engine_probe.engine_error`: vLLM's ``AsyncLLM.errored``); the cause is logged.
+Remote samplers' proxies share pool processes: each pool is asked once per round for all of its samplers.
 
 :class:`HealthMonitor` probes from a background thread every ``interval_s``, so a death is seen within about
 ``2 x interval_s`` and a hang within ``timeout_s + interval_s``, whatever the learner is doing. It only reports
@@ -22,8 +23,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.actor import ActorHandle
@@ -31,6 +34,7 @@ from ray.exceptions import RayActorError
 
 from gepo_plugin.hetero.settings import HealthConfig
 from gepo_plugin.verl_glue.hetero.engine_probe import ENGINE_DIED, QUARANTINED, engine_error
+from gepo_plugin.verl_glue.hetero.remote.pool import PooledProxy
 
 logger = logging.getLogger(__name__)
 
@@ -38,34 +42,69 @@ logger = logging.getLogger(__name__)
 PROBE_METHOD = "get_server_address"
 
 
-def send_probes(servers: Sequence[ActorHandle]) -> list:
-    """One probe of each server: its address (answered on its event loop), and its engine's state."""
-    refs = []
-    for server in servers:
-        refs.append(getattr(server, PROBE_METHOD).remote())
-        refs.append(server.__ray_call__.remote(engine_error))
-    return refs
+@dataclass(frozen=True)
+class _Ask:
+    """One probe's answer to read: ``ref``'s, or, for a pooled remote sampler, its entry ``key`` in its pool's answer
+    (one call per pool and round, however many samplers it holds)."""
+
+    ref: Any
+    key: str | None = None
+
+
+def send_probes(replicas: Mapping[int, Sequence[Any]]) -> dict[int, list[_Ask]]:
+    """One probe of each replica's servers: the address (answered on the server's event loop) and the engine's state;
+    the remote samplers of one pool are probed together (:meth:`~gepo_plugin.verl_glue.hetero.remote.pool.ProxyPool.
+    probe`, on the pool's loop)."""
+    asks: dict[int, list[_Ask]] = {replica: [] for replica in replicas}
+    pooled: dict[Any, list[tuple[int, str]]] = defaultdict(list)
+    for replica, servers in replicas.items():
+        for server in servers:
+            if isinstance(server, PooledProxy):
+                pooled[server.pool].append((replica, server.key))
+                continue
+            asks[replica].append(_Ask(getattr(server, PROBE_METHOD).remote()))
+            asks[replica].append(_Ask(server.__ray_call__.remote(engine_error)))
+    for pool, members in pooled.items():
+        ref = pool.probe.remote([key for _, key in members])
+        for replica, key in members:
+            asks[replica].append(_Ask(ref, key))
+    return asks
+
+
+def _unique_refs(asks: Iterable[list[_Ask]]) -> list:
+    return list({ask.ref: None for group in asks for ask in group})
+
+
+def _answers(ready: Iterable) -> dict:
+    """Each answered probe read once (a pool's answer serves all its samplers): ``ref -> (value, error)``."""
+    answers = {}
+    for ref in ready:
+        try:
+            answers[ref] = (ray.get(ref), None)
+        except Exception as error:
+            answers[ref] = (None, error)
+    return answers
 
 
 @dataclass
 class _Probe:
-    refs: list
+    asks: list[_Ask]
     sent: float
 
 
 def probe(
-    servers: Mapping[int, Sequence[ActorHandle]], timeout_s: float, causes: dict[int, str] | None = None
+    servers: Mapping[int, Sequence[Any]], timeout_s: float, causes: dict[int, str] | None = None
 ) -> dict[int, str]:
     """Probe each replica's servers once; returns ``replica -> "died" | "hung"`` for those that failed (and writes
     why into ``causes``, when given)."""
-    probes = {replica: send_probes(handles) for replica, handles in servers.items()}
-    refs = [ref for group in probes.values() for ref in group]
+    probes = send_probes(servers)
+    refs = _unique_refs(probes.values())
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
-    ready = set(ready)
+    answers = _answers(ready)
     lost: dict[int, str] = {}
-    for replica, group in probes.items():
-        verdict, cause = _verdict(group, ready)
-        if verdict is None and not all(ref in ready for ref in group):
+    for replica, asks in probes.items():
+        verdict, cause = _verdict(asks, answers)
+        if verdict is None and not all(ask.ref in answers for ask in asks):
             verdict, cause = "hung", f"no answer to a probe within {timeout_s:g} s"
         if verdict is not None:
             if cause:
@@ -76,22 +115,24 @@ def probe(
     return lost
 
 
-def _verdict(refs: list, ready: set) -> tuple[str | None, str | None]:
+def _verdict(asks: list[_Ask], answers: dict) -> tuple[str | None, str | None]:
     """(``died``, its cause) if an answered probe raised ``RayActorError`` or reported a dead engine; else (None,
     None): other errors are not a loss."""
-    for ref in refs:
-        if ref in ready:
-            try:
-                answer = ray.get(ref)
-            except RayActorError as error:
-                return "died", f"its process is gone ({type(error).__name__})"
-            except Exception as error:  # a server that answers with an error is alive
-                logger.debug("hetero: probe answered with %r", error)
-                continue
-            if isinstance(answer, str) and answer.startswith(ENGINE_DIED):
-                return "died", answer
-            if isinstance(answer, str) and answer.startswith(QUARANTINED):
-                return "quarantined", answer
+    for ask in asks:
+        if ask.ref not in answers:
+            continue
+        answer, error = answers[ask.ref]
+        if isinstance(error, RayActorError):
+            return "died", f"its process is gone ({type(error).__name__})"
+        if error is not None:  # a server that answers with an error is alive
+            logger.debug("hetero: probe answered with %r", error)
+            continue
+        if ask.key is not None:
+            answer = answer.get(ask.key)
+        if isinstance(answer, str) and answer.startswith(ENGINE_DIED):
+            return "died", answer
+        if isinstance(answer, str) and answer.startswith(QUARANTINED):
+            return "quarantined", answer
     return None, None
 
 
@@ -150,15 +191,15 @@ class HealthMonitor:
         """One round: collect answered probes, declare losses, send new probes. Returns the losses found."""
         with self._lock:
             now = self.clock()
-            refs = [ref for p in self._probes.values() for ref in p.refs]
-            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+            refs = _unique_refs(p.asks for p in self._probes.values())
+            answers = _answers(ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else [])
             lost: list[tuple[int, str, float]] = []
             for replica, pending in list(self._probes.items()):
-                verdict, cause = _verdict(pending.refs, ready)
+                verdict, cause = _verdict(pending.asks, answers)
                 if verdict in ("died", "quarantined"):
                     self.causes[replica] = cause
                     lost.append((replica, verdict, now - self._last_ok.get(replica, pending.sent)))
-                elif all(ref in ready for ref in pending.refs):
+                elif all(ask.ref in answers for ask in pending.asks):
                     self._last_ok[replica] = now
                     del self._probes[replica]
                 elif now - pending.sent > self.config.timeout_s:
@@ -166,9 +207,9 @@ class HealthMonitor:
                     lost.append((replica, "hung", now - pending.sent))
             for replica, _, _ in lost:
                 self.forget(replica)
-            for replica, servers in self._servers.items():
-                if replica not in self._probes:
-                    self._probes[replica] = _Probe(send_probes(servers), now)
+            due = {replica: servers for replica, servers in self._servers.items() if replica not in self._probes}
+            for replica, asks in send_probes(due).items():
+                self._probes[replica] = _Probe(asks, now)
         for replica, kind, detect_s in lost:
             cause = self.causes[replica]
             logger.warning("hetero: sampler replica %d %s (detected after %.1f s): %s", replica, kind, detect_s, cause)

@@ -150,9 +150,10 @@ class RelayTransport:
         join their group."""
         if self.book is None:
             return []
+        already = {id(joining.replica) for joining in self.joining}
         for group, replica in started:
             if is_remote(replica):  # it follows the store by itself: it joins once it reports a version
-                if not any(joining.replica is replica for joining in self.joining):
+                if id(replica) not in already:
                     manager = CheckpointEngineManager(self.fleet.config, self.actor_wg, [replica])
                     self.joining.append(Joining(group, replica, None, manager))
                 continue
@@ -166,7 +167,13 @@ class RelayTransport:
                 continue
             manager = CheckpointEngineManager(self.fleet.config, self.actor_wg, [replica])
             self.joining.append(Joining(group, replica, workers, manager))
-        return [member for member in map(self._join, list(self.joining)) if member is not None]
+        joining = list(self.joining)
+        remote = self._remote_reports({i: j.replica for i, j in enumerate(joining) if j.workers is None})
+        members = [
+            self._join_remote(j, remote.get(i) or {}) if j.workers is None else self._join(j)
+            for i, j in enumerate(joining)
+        ]
+        return [member for member in members if member is not None]
 
     def forget(self, replica: int) -> None:
         if self.book is not None:
@@ -286,9 +293,9 @@ class RelayTransport:
             installed.append(member)
         return installed
 
-    def _join_remote(self, joining: Joining) -> int | None:
-        """A remote sampler joins its group once it has dialled in and reports the version it installed."""
-        report = self._remote_reports({-1: joining.replica}).get(-1) or {}
+    def _join_remote(self, joining: Joining, report: dict) -> int | None:
+        """A remote sampler joins its group once it has dialled in and reports (``report``) the version it
+        installed."""
         status = report.get("status")
         if status is None or status["version"] is None or report.get("dead"):
             return None
@@ -322,8 +329,6 @@ class RelayTransport:
 
     def _join(self, joining: Joining) -> int | None:
         """Install ``joining``'s first arrived version and enlist it; None while it has not arrived (or it failed)."""
-        if joining.workers is None:
-            return self._join_remote(joining)
         size = joining.workers.world_size
         try:
             statuses = ray.get(

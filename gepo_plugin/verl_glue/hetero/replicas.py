@@ -8,6 +8,8 @@ from typing import Any
 
 import ray
 
+from gepo_plugin.verl_glue.hetero.remote.pool import PooledProxy
+
 logger = logging.getLogger(__name__)
 
 
@@ -17,8 +19,12 @@ def fence(replica: Any) -> None:
 
 
 def kill_actors(handles: list[Any], what: str) -> None:
-    """Kill each actor for good (no restart); one already gone is skipped (``what`` names them in the debug log)."""
+    """Kill each actor for good (no restart); one already gone is skipped (``what`` names them in the debug log). A
+    remote sampler's pooled proxy is removed from its pool instead (its process serves other samplers)."""
     for handle in handles:
+        if isinstance(handle, PooledProxy):
+            handle.retire()
+            continue
         try:
             ray.kill(handle, no_restart=True)
         except Exception as error:  # already gone

@@ -36,6 +36,7 @@ from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
 import gepo_sampler
+from gepo_plugin.verl_glue.hetero.remote.pool import ProxyGone
 from gepo_sampler.remote.protocol import PACKAGE_HEADER, PROTOCOL_HEADER, PROTOCOL_VERSION, Hello, protocol_mismatch
 from gepo_sampler.remote.settings import GatewayConfig, RemoteSamplerConfig
 
@@ -103,10 +104,11 @@ class RemoteGateway:
             await self._runner.cleanup()
 
     # ------------------------------------------------------------------ the fleet's control
-    def attach(self, name: str, proxy: Any) -> None:
-        """Route ``name``'s calls to ``proxy`` (a sampler joining, or rejoining)."""
-        self.proxies[name] = proxy
-        self.asking.pop(name, None)
+    def attach_many(self, proxies: dict[str, Any]) -> None:
+        """Route each name's calls to its proxy (samplers joining, or rejoining)."""
+        for name, proxy in proxies.items():
+            self.proxies[name] = proxy
+            self.asking.pop(name, None)
 
     def detach(self, name: str, quarantined: bool = False) -> None:
         """``name`` was retired: its calls get 410 until it is attached again; a quarantined one gets 403 for good
@@ -231,7 +233,7 @@ class RemoteGateway:
         it refused what was sent as malformed."""
         try:
             return await asyncio.wait_for(call, timeout_s)
-        except ray.exceptions.RayActorError:  # killed with its sampler's retirement, before the fleet detached it
+        except (ray.exceptions.RayActorError, ProxyGone):  # removed at its retirement, before the fleet detached it
             raise self._retired(name) from None
         except Exception as error:
             self.refusals[f"{name}/malformed"] += 1

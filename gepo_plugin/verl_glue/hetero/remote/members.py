@@ -1,13 +1,15 @@
 """The learner's side of ``hetero.remote_samplers``: the gateway, one proxy per sampler, and their joins.
 
 :class:`RemoteSamplers` starts the gateway (:class:`~gepo_plugin.verl_glue.hetero.remote.gateway.RemoteGateway`)
-and a :class:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy` per sampler as Ray actors on the node
-of verl's TaskRunner (which every sampler dials), and gives the sampler fleet a :class:`RemoteReplica` per sampler:
-what the fleet, verl's weight-sync manager and its load balancer hold for a replica (servers, address, abort and
-resume). Remote groups start empty; a sampler joins its group when it has dialled in and installed a version (the
-relay transport checks, :meth:`RemoteSamplers.candidates`). A retired sampler's proxy is killed with it (its requests
-fail and are counted); when it dials again, the gateway records it and :meth:`RemoteSamplers.rejoin` gives it a new
-proxy, so it joins again without a learner restart.
+on the node of verl's TaskRunner (which every sampler dials) and a
+:class:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy` per sampler, held by pool processes there
+(:mod:`~gepo_plugin.verl_glue.hetero.remote.pool`, ``hetero.gateway.samplers_per_process`` each), and gives the
+sampler fleet a :class:`RemoteReplica` per sampler: what the fleet, verl's weight-sync manager and its load balancer
+hold for a replica (servers, address, abort and resume). Remote groups start empty; a sampler joins its group when it
+has dialled in and installed a version (the relay transport checks, :meth:`RemoteSamplers.candidates`). A retired
+sampler's proxy leaves its pool with it (its requests fail and are counted); when it dials again, the gateway records
+it and :meth:`RemoteSamplers.rejoin` gives it a new proxy, so it joins again without a learner restart. What the
+learner asks of every sampler each step (reports, the window of versions) is one call per pool.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue.hetero.remote.auditor import AuditClient, RemoteAuditor
 from gepo_plugin.verl_glue.hetero.remote.calibration_feed import CalibrationFeed
 from gepo_plugin.verl_glue.hetero.remote.gateway import RemoteGateway
-from gepo_plugin.verl_glue.hetero.remote.proxy import RemoteSamplerProxy
+from gepo_plugin.verl_glue.hetero.remote.pool import PooledProxy, ProxyPool
 from gepo_sampler.remote.protocol import VersionWindow
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ class RemoteReplica:
 
     is_remote = True
 
-    def __init__(self, name: str, proxy: Any, replica_rank: int) -> None:
+    def __init__(self, name: str, proxy: PooledProxy, replica_rank: int) -> None:
         self.name = name
         self.proxy = proxy
         self.replica_rank = replica_rank
@@ -111,30 +113,48 @@ class RemoteSamplers:
             )
         self._audit_mode = config.audit.mode
         self._next_rank = first_rank
+        #: the pool processes holding the proxies, and the keys each holds now
+        self.pools: list[Any] = []
+        self._pooled: dict[Any, set[str]] = {}
         #: name -> its replica while it may serve or join (a retired sampler is absent until it dials again)
         self.replicas: dict[str, RemoteReplica] = {}
-        for name in self.samplers:
-            self._new_proxy(name)
+        ray.get([self._new_proxy(name) for name in self.samplers])
+        ray.get([self.gateway.attach_many.remote({n: r.proxy for n, r in self.replicas.items()})])
 
-    def _new_proxy(self, name: str) -> RemoteReplica:
-        proxy = (
-            ray.remote(RemoteSamplerProxy)
-            .options(**self._placement, max_concurrency=1000)
-            .remote(
-                name,
-                ADDRESS_PREFIX + name,
-                self._gateway_config,
-                self.window,
-                self.vocab_size,
-                self.default_max_tokens,
-                self._audit_client(name),
-            )
-        )
-        ray.get(self.gateway.attach.remote(name, proxy))
-        replica = RemoteReplica(name, proxy, self._next_rank)
+    def _pool(self) -> Any:
+        """The pool with the most room, a new one if every pool is full (a pool may serve any number of calls at
+        once: a long poll per sampler and verl's requests)."""
+        pool = min(self.pools, key=lambda p: len(self._pooled[p]), default=None)
+        if pool is None or len(self._pooled[pool]) >= self._gateway_config.samplers_per_process:
+            pool = ray.remote(ProxyPool).options(**self._placement, max_concurrency=1_000_000).remote()
+            self.pools.append(pool)
+            self._pooled[pool] = set()
+        return pool
+
+    def _new_proxy(self, name: str) -> Any:
+        """A proxy for ``name`` in a pool, under a key of its own incarnation (the replica rank); returns the ref
+        of its creation (the gateway routes to it once attached)."""
+        pool, rank = self._pool(), self._next_rank
         self._next_rank += 1
-        self.replicas[name] = replica
-        return replica
+        key = f"{name}#{rank}"
+        self._pooled[pool].add(key)
+        created = pool.add.remote(
+            key,
+            name,
+            ADDRESS_PREFIX + name,
+            self._gateway_config,
+            self.window,
+            self.vocab_size,
+            self.default_max_tokens,
+            self._audit_client(name),
+        )
+        self.replicas[name] = RemoteReplica(name, PooledProxy(pool, key), rank)
+        return created
+
+    def _remove(self, replica: RemoteReplica) -> None:
+        """Take ``replica``'s proxy out of its pool (its pending requests fail; again is no error)."""
+        self._pooled.get(replica.proxy.pool, set()).discard(replica.proxy.key)
+        ray.get(replica.proxy.retire())
 
     def _audit_client(self, name: str) -> AuditClient | None:
         if self.auditor is None:
@@ -152,8 +172,7 @@ class RemoteSamplers:
         ray.get(self.auditor.restore.remote(state))
         for name, saved in state.items():
             if saved.get("verdict") is not None and name in self.replicas:
-                replica = self.replicas.pop(name)
-                ray.kill(replica.proxy, no_restart=True)
+                self._remove(self.replicas.pop(name))
                 ray.get(self.gateway.detach.remote(name, True))
                 logger.warning("hetero: remote sampler %r stays quarantined (test %r)", name, saved["verdict"]["test"])
 
@@ -164,36 +183,45 @@ class RemoteSamplers:
         return [(self.group_of[name], r) for name, r in self.replicas.items() if id(r) not in current]
 
     def retired(self, replica: RemoteReplica, quarantined: bool = False) -> None:
-        """The fleet retired ``replica`` (its proxy is killed): its calls get 410 until it dials again, or, once the
-        audit quarantined it, 403 for the rest of the run."""
+        """The fleet retired ``replica`` (its proxy leaves its pool): its calls get 410 until it dials again, or, once
+        the audit quarantined it, 403 for the rest of the run."""
         if self.replicas.get(replica.name) is replica:
             del self.replicas[replica.name]
+        self._remove(replica)
         ray.get(self.gateway.detach.remote(replica.name, quarantined))
 
     def rejoin(self) -> list[str]:
         """Retired samplers that dialled in again get a new proxy; returns their names."""
         back = [name for name in ray.get(self.gateway.rejoining.remote()) if name not in self.replicas]
+        ray.get([self._new_proxy(name) for name in back])
+        if back:
+            ray.get(self.gateway.attach_many.remote({name: self.replicas[name].proxy for name in back}))
         for name in back:
-            self._new_proxy(name)
             logger.warning("hetero: remote sampler %r dialled in again; it rejoins once it holds a version", name)
         return back
 
     def set_window(self, first: int, latest: int) -> None:
         """Every proxy accepts results of this run's versions ``first``..``latest`` (the learner's)."""
         self.window = VersionWindow(first=first, latest=latest)
-        calls = [replica.proxy.set_window.remote(first, latest) for replica in self.replicas.values()]
+        calls = [pool.set_window.remote(first, latest) for pool in self.pools]
         ray.get([*calls, self.gateway.set_hello.remote(first_version=first, learner_version=latest)])
 
     def reports(self, replicas: dict[int, RemoteReplica], timeout_s: float) -> dict[int, dict]:
-        """Each member's proxy report (:meth:`RemoteSamplerProxy.report`); a proxy that does not answer is left out
-        (the health monitor judges it)."""
-        refs = {member: replica.proxy.report.remote() for member, replica in replicas.items()}
+        """Each member's proxy report (:meth:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy.report`),
+        one call per pool; a proxy gone from its pool, or a pool that does not answer, is left out (the health monitor
+        judges them)."""
+        by_pool: dict[Any, dict[str, int]] = {}
+        for member, replica in replicas.items():
+            by_pool.setdefault(replica.proxy.pool, {})[replica.proxy.key] = member
+        refs = {pool.reports.remote(list(members)): members for pool, members in by_pool.items()}
         out = {}
-        for member, ref in refs.items():
+        for ref, members in refs.items():
             try:
-                out[member] = ray.get(ref, timeout=timeout_s)
-            except Exception as error:  # a killed proxy: the fleet retires it
-                logger.debug("hetero: remote sampler report failed: %r", error)
+                answered = ray.get(ref, timeout=timeout_s)
+            except Exception as error:  # a pool that died or hung: the fleet retires its samplers
+                logger.debug("hetero: remote samplers' reports failed: %r", error)
+                continue
+            out.update({members[key]: report for key, report in answered.items()})
         return out
 
     def metrics(self, reports: dict[str, dict]) -> dict[str, float]:

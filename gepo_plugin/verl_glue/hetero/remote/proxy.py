@@ -377,6 +377,14 @@ class RemoteSamplerProxy:
         if pending is not None and pending.sent_at is not None and not pending.future.done() and not pending.answered:
             pending.future.set_exception(error)
 
+    def fail_all(self, error: Exception) -> None:
+        """Every request it was asked to generate fails with ``error`` (the sampler was retired from its pool, as when
+        a proxy's own process was killed); a long poll it holds ends now."""
+        for pending in list(self._pending.values()):
+            if not pending.future.done():
+                pending.future.set_exception(error)
+        self._wake.set()
+
     def _refuse(self, reason: str, detail: str) -> None:
         self.refused[reason] += 1
         logger.warning("remote sampler %s: refused %s (%s): nothing of it is trained", self.name, reason, detail)
