@@ -69,6 +69,8 @@ RELAY_COUNTERS: dict[str, str] = {
     "objects_deleted": "store objects deleted",
     "bytes_written": "bytes written to the store",
     "bytes_read": "bytes read from the store",
+    "reads": "objects read from the store (manifests and shards)",
+    "lists": "listings of the store's manifests",
     "bytes_pulled": "bytes of versions pulled",
     "pull_failures": "pulls that failed and were retried",
     "retries": "store operations retried",
@@ -142,6 +144,11 @@ METRICS: tuple[Metric, ...] = (
     Metric(HETERO + "learner_wait_s", "seconds the learner waited for this step's batch"),
     Metric(HETERO + "learner_idle_fraction", "share of the step cycle the learner waited"),
     Metric(HETERO + "oldest_sampler_version", "the oldest weight version any live sampler group holds"),
+    Metric(
+        HETERO + "fleet_s",
+        "seconds the sampler fleet's work took on the learner's thread since the last step (publishing, installs, "
+        "joins, reports, metrics)",
+    ),
     Metric(HETERO + "weight_snapshots", "simulated transport: host snapshots of versions still travelling"),
     # lags of the trained groups
     Metric(LAG + "min", "smallest lag (learner version - oldest token version) of the trained groups"),

@@ -68,6 +68,37 @@ def test_a_follower_stages_the_newest_version_and_reports_when_it_arrived(tmp_pa
                 follower.take(version)  # taken once
 
 
+def test_a_hinted_follower_reads_the_store_a_constant_number_of_times_per_version_not_per_second(tmp_path) -> None:
+    """Told the learner's version (a remote sampler hears it with every poll), a follower lists the store only while a
+    newer version is due: idle, it reads nothing for as long as no version comes; told of one, it gets it at once."""
+    store = RelayStore(str(tmp_path), retry=FAST_RETRY)
+    learner = Learner(lr=1e-4)
+    publisher = RelayPublisher(store, "run", RelayConfig(keyframe_every=3))
+    publisher.hold(0)
+    reader = RelayStore(str(tmp_path), retry=FAST_RETRY)  # the sampler's own client, its own counters
+    follower = RelayFollower(RelayPuller(reader, "run"), group=0, replica=0, poll_s=0.01, idle_s=3600.0)
+    follower.hint(0)
+    follower.start()
+    try:
+        publisher.publish(0, learner.weights())
+        wait_for(lambda: follower.status().staged == 0)
+        for version in range(1, 4):
+            lists = reader.counters.get("lists")
+            time.sleep(0.5)  # 50 listings' worth of poll_s: none happens while nothing newer is due
+            assert reader.counters.get("lists") == lists
+            learner.step()
+            follower.hint(version)  # the learner's window opens before the version is in the store
+            time.sleep(0.05)
+            publisher.publish(version, learner.weights())
+            wait_for(lambda v=version: follower.status().staged == v, timeout_s=5.0)
+        time.sleep(0.3)
+        reads_per_version = reader.counters.get("reads") / 4
+        assert reads_per_version <= 3, reader.counters.metrics()  # a manifest and its shards, nothing per second
+    finally:
+        follower.stop()
+        publisher.close()
+
+
 def test_a_version_reported_as_staged_is_still_there_when_taken_however_many_arrive_meanwhile(tmp_path: Path) -> None:
     """The learner installs the version a status reported; newer versions arriving before it asks (more than the
     follower keeps staged) must not drop that one (a run stopped on "version 34 is not staged (staged: [35, 36])")."""

@@ -287,6 +287,27 @@ def test_an_abort_reaches_a_waiting_long_poll_at_once():
     asyncio.run(run())
 
 
+def test_a_new_learner_version_reaches_a_waiting_long_poll_at_once_and_an_unchanged_one_does_not():
+    """The sampler lists the store only when told of a newer version: the learner's publication must not wait for
+    the end of a long poll to reach it."""
+
+    async def run():
+        proxy = make_proxy()
+        first, latest = WINDOW.first, WINDOW.latest
+        waiting = asyncio.ensure_future(proxy.poll(status(), wait_s=30.0))
+        await asyncio.sleep(0.05)
+        await proxy.set_window(first, latest)  # the same window: the poll stays held
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        started = time.monotonic()
+        await proxy.set_window(first, latest + 1)
+        work = await waiting
+        assert work["learner_version"] == latest + 1 and work["requests"] == [] and not work["abort"]
+        assert time.monotonic() - started < 1.0  # not after its 30 s
+
+    asyncio.run(run())
+
+
 def test_an_abort_answers_requests_the_sampler_never_got_at_once_with_no_tokens():
     async def run():
         proxy = make_proxy()

@@ -104,6 +104,8 @@ class SamplerFleet:
                 self.roster.begin_replacement(remote.group_of[name])
         self.paused: set[int] = set()
         self.installs = [0] * len(self.groups)
+        #: seconds of the fleet's work on the learner's thread since the last step's metrics
+        self.bookkeeping_s = 0.0
         self._lost: list[tuple[int, str, float]] = []
         self._lost_lock = threading.Lock()
         self.monitor: HealthMonitor | None = None
@@ -129,7 +131,13 @@ class SamplerFleet:
     # --------------------------------------------------------------- verl's manager interface
     def update_weights(self, global_steps: int | None = None) -> dict:
         """The learner holds version ``global_steps`` (verl calls this at init and at every step end)."""
+        started = time.perf_counter()
         version = int(global_steps or 0)
+        self._update_weights(version)
+        self.bookkeeping_s += time.perf_counter() - started
+        return self.metrics(version)
+
+    def _update_weights(self, version: int) -> None:
         self.retire_lost()
         versions = self.transport.versions
         if versions is None or version <= versions.latest:
@@ -145,10 +153,16 @@ class SamplerFleet:
         self._pause_stale(version)
         self.staleness.record_floor(version + 1, versions.oldest_held())
         self.transport.settle(versions.oldest_held())
-        return self.metrics(version)
 
     def poll(self) -> None:
         """Install what has arrived and admit replacements (called while the learner waits for data)."""
+        started = time.perf_counter()
+        try:
+            self._poll()
+        finally:
+            self.bookkeeping_s += time.perf_counter() - started
+
+    def _poll(self) -> None:
         versions = self.transport.versions
         if versions is None:
             return
@@ -347,7 +361,9 @@ class SamplerFleet:
                 self.paused.add(group)
 
     def metrics(self, learner_version: int) -> dict[str, float]:
-        """Per group: the version it holds and its age, the transport's own measures, paused, installs."""
+        """Per group: the version it holds and its age, the transport's own measures, paused, installs; and the
+        seconds the fleet's work took on the learner's thread since the last step's metrics (``fleet_s``)."""
+        started = time.perf_counter()
         versions = self.transport.versions
         out = metric_names.by_group(versions.metrics(learner_version))
         for group in range(len(self.groups)):
@@ -355,4 +371,7 @@ class SamplerFleet:
             out[metric_names.sampler_group(group, "installs")] = float(self.installs[group])
         out[metric_names.HETERO + "oldest_sampler_version"] = float(versions.oldest_held())
         out.update(self.transport.metrics())
+        # this step's bookkeeping so far (the metrics themselves included), then counted afresh for the next step
+        out[metric_names.HETERO + "fleet_s"] = self.bookkeeping_s + time.perf_counter() - started
+        self.bookkeeping_s = 0.0
         return out

@@ -37,6 +37,9 @@ from gepo_sampler.remote.protocol import PROTOCOL_VERSION, GenerateRequest, Hell
 
 logger = logging.getLogger("gepo_sampler.host")
 
+#: Without news of a newer version from the gateway (every poll's answer names the learner's), the host lists the
+#: store this often: its reads of the store are then a constant number per published version.
+IDLE_LIST_S = 30.0
 #: Seconds between two attempts to reach the gateway after a failure (doubling up to MAX_BACKOFF_S).
 BACKOFF_S, MAX_BACKOFF_S = 0.5, 10.0
 
@@ -101,8 +104,15 @@ class SamplerHost:
         link = Link(LinkConfig(**hello.link)) if hello.link else None
         puller = RelayPuller(open_store(relay), relay.run_id, None, link, verifier=self.verifier)
         self.follower = RelayFollower(
-            puller, group=0, replica=0, poll_s=relay.poll_s, outage_s=relay.outage_s, outage_key="--outage-s"
+            puller,
+            group=0,
+            replica=0,
+            poll_s=relay.poll_s,
+            outage_s=relay.outage_s,
+            outage_key="--outage-s",
+            idle_s=IDLE_LIST_S,
         )
+        self.follower.hint(hello.learner_version)
         self.follower.start()
         logger.info("sampler %s: following run %s at %s", self.name, relay.run_id, relay.url)
 
@@ -239,6 +249,8 @@ class SamplerHost:
                 await backoff.wait()
                 continue
             backoff.reset()
+            if self.follower is not None:
+                self.follower.hint(work.learner_version)
             if work.abort:
                 await self.abort_in_flight()
             for request in work.requests:

@@ -7,6 +7,11 @@ learner installs it at a safe point, and a :class:`Receipt` saying when it arriv
 staged versions are kept, so the version the learner saw in a status is still there when it asks to install it,
 even if a newer one landed in between; installing one drops it and every older one.
 
+A follower given the learner's newest version (:meth:`RelayFollower.hint`: a remote sampler hears it with every poll
+of the gateway) lists the store only while a newer version than it holds is due, and otherwise every ``idle_s``: its
+reads are then a constant number per published version, not per second, however long a step takes (a fleet of a
+thousand samplers listing every ``poll_s`` would read the store thousands of times a second for nothing).
+
 Store errors are retried with back-off and counted for up to ``outage_s`` seconds of failing in a row (the store's
 outage budget, ``hetero.relay.outage_s``); past it, or at once for a permanent error, the follower reports a fatal
 error and the learner stops the run with it. A chain that no longer exists in the store (corrupt shards, a result
@@ -67,9 +72,14 @@ class RelayFollower:
         outage_s: float = 600.0,
         clock=time.time,
         outage_key: str = "hetero.relay.outage_s",
+        idle_s: float | None = None,
     ) -> None:
         self.puller, self.group, self.replica = puller, group, replica
         self.poll_s, self.outage_s, self.clock = poll_s, outage_s, clock
+        #: with hints: how long to wait for one before listing anyway (None: no hints, list every poll_s)
+        self.idle_s = idle_s
+        self._hint: int | None = None
+        self._wake = threading.Event()
         self.outage_key = outage_key  # the setting a message names (a sampler host's is its --outage-s)
         self._held: Held | None = None
         self._staged: dict[int, WeightBits] = {}
@@ -88,7 +98,25 @@ class RelayFollower:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=30)
+
+    def hint(self, version: int) -> None:
+        """The learner holds ``version`` (it publishes it now, if it has not yet): list the store again while it is
+        newer than the version held."""
+        with self._lock:
+            if self._hint is None or version > self._hint:
+                self._hint = version
+                self._wake.set()
+
+    def _idle(self) -> None:
+        """Wait before listing the store again: ``poll_s`` without hints or while a newer version is due, else until a
+        hint names a newer one (or ``idle_s`` passes)."""
+        with self._lock:
+            held = self._held.version if self._held is not None else None
+            due = self.idle_s is None or self._hint is None or held is None or self._hint > held
+        self._wake.wait(self.poll_s if due else self.idle_s)
+        self._wake.clear()
 
     def status(self) -> FollowerStatus:
         """Drain the receipts (each is reported once)."""
@@ -142,7 +170,7 @@ class RelayFollower:
                 self._stop.wait(min(self.poll_s * 2 ** min(failures, 10), 30.0, self.outage_s))
                 continue
             if result is None:
-                self._stop.wait(self.poll_s)
+                self._idle()
                 continue
             self._held = result.held  # a new object: the next pull stages its own copies, so this one stays as is
             with self._lock:

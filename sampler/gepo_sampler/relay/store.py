@@ -231,6 +231,7 @@ class RelayStore:
             return bytes(received)
 
         data = self._retried("read", key, read)
+        self.counters.add("reads")
         self.counters.add("bytes_read", len(data))
         return data
 
@@ -259,6 +260,7 @@ class RelayStore:
                 return []
             return sorted(name.rstrip("/").rsplit("/", 1)[-1] for name in names)
 
+        self.counters.add("lists")
         return self._retried("list", prefix, listing)
 
     def delete(self, key: str) -> None:

@@ -222,8 +222,13 @@ class RemoteSamplerProxy:
 
     # ------------------------------------------------------------------ the transport's calls
     async def set_window(self, first: int, latest: int) -> None:
-        """The versions a result may claim: this run's from ``first``, none newer than the learner's ``latest``."""
+        """The versions a result may claim: this run's from ``first``, none newer than the learner's ``latest``. A
+        newer ``latest`` ends a held long poll now: the sampler hears of the version with its answer and lists the
+        store for it (it lists only when told of one, :meth:`~gepo_sampler.relay.follower.RelayFollower.hint`)."""
+        newer = latest > self.window.latest
         self.window = VersionWindow(first=first, latest=latest)
+        if newer:
+            self._wake.set()
 
     async def report(self) -> dict:
         """What the learner's side knows of the sampler: its last status, when it was heard from, the counters."""

@@ -1,0 +1,88 @@
+"""``python -m gepo_plugin.fleet_sim``: run a slice of a synthetic fleet in this process until SIGTERM, then write
+what it saw (:class:`~gepo_plugin.fleet_sim.sampler.FleetStats`) as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from gepo_plugin.fleet_sim.follower import ManifestFollower
+from gepo_plugin.fleet_sim.profile import FleetProfile, sampler_name, sampler_token
+from gepo_plugin.fleet_sim.sampler import FleetStats, SyntheticSampler
+from gepo_sampler.host.gateway_client import GatewayClient
+from gepo_sampler.relay.puller import RelayPuller
+from gepo_sampler.relay.signing import Verifier
+from gepo_sampler.relay.store import RelayStore
+
+#: the environment variable holding the fleet's secret (each sampler's token is derived from it and its name)
+SECRET_ENV = "GEPO_FLEET_SECRET"
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gepo_plugin.fleet_sim", description=__doc__)
+    parser.add_argument("--gateway", required=True, help="the learner's gateway URL (hetero.gateway)")
+    parser.add_argument("--first", type=int, required=True, help="index of this process's first sampler")
+    parser.add_argument("--count", type=int, required=True, help="samplers in this process")
+    parser.add_argument("--store", required=True, help="the run's store: hetero.relay.url/run_id (a directory)")
+    parser.add_argument("--run-id", required=True, help="hetero.relay.run_id")
+    parser.add_argument("--public-key", required=True, help="the learner's Ed25519 public key (hetero.relay)")
+    parser.add_argument("--vocab-size", type=int, required=True, help="the model's vocabulary size")
+    parser.add_argument("--stats", required=True, help="write what this process saw here (JSON) when stopped")
+    for name, spec in FleetProfile.model_fields.items():
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=type(spec.default),
+            default=spec.default,
+            help=f"{spec.description} ({spec.default})",
+        )
+    return parser
+
+
+async def serve(args: argparse.Namespace, profile: FleetProfile, stats: FleetStats) -> None:
+    secret = os.environ[SECRET_ENV]
+    store = RelayStore(args.store)  # one client, its counters the process's: reads per version per sampler
+    verifier = Verifier(args.public_key)
+    clients, tasks = [], []
+    try:
+        for index in range(args.first, args.first + args.count):
+            name = sampler_name(index)
+            client = await GatewayClient(args.gateway, name, sampler_token(secret, name)).__aenter__()
+            clients.append(client)
+            follower = ManifestFollower(RelayPuller(store, args.run_id, verifier=verifier))
+            sampler = SyntheticSampler(name, client, follower, profile, args.vocab_size, stats)
+            tasks.append(asyncio.create_task(sampler.run()))
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for client in clients:
+            await client.__aexit__(None, None, None)
+        stats.counters.update({f"store_{k}": v for k, v in store.counters.metrics().items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    profile = FleetProfile(**{name: getattr(args, name) for name in FleetProfile.model_fields})
+    stats = FleetStats()
+    asyncio.run(serve(args, profile, stats))
+    record = {
+        "samplers": args.count,
+        "latencies": dict(stats.latencies),
+        "calls": dict(stats.calls),
+        "arrivals": {str(v): [published, times] for v, (published, times) in stats.arrivals.items()},
+        "counters": dict(stats.counters),
+    }
+    Path(args.stats).write_text(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
