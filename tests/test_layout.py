@@ -34,6 +34,7 @@ GLUE = ("gepo_plugin.verl_glue", "gepo_plugin.patches", "gepo_plugin.patching", 
 TOOLS = (
     "gepo_plugin.cpu_backend",
     "gepo_plugin.lab",
+    "gepo_plugin.fleet_sim",
     "gepo_plugin.rewards",
     "gepo_plugin.tiny",
     "gepo_plugin.synthetic",

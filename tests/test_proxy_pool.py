@@ -60,13 +60,16 @@ def test_the_window_reaches_every_proxy_in_one_call(pool):
 
 
 def test_a_retired_samplers_requests_fail_its_calls_are_refused_and_the_probe_calls_it_died(pool):
-    one, other = handle(pool, SAMPLERS - 1), handle(pool, SAMPLERS - 2)
+    one, other, paused = handle(pool, SAMPLERS - 1), handle(pool, SAMPLERS - 2), handle(pool, SAMPLERS - 3)
     ray.get(other.update_status.remote(SamplerStatus(version=0).model_dump()))
     assert probe({1: [one], 2: [other]}, timeout_s=30) == {}  # both alive, through one call to their pool
-    call = one.generate.remote([1, 2, 3], {"max_tokens": 4}, "r")
-    ray.get(one.retire())
-    with pytest.raises(ProxyGone, match="retired"):
-        ray.get(call, timeout=60)
+    queued = one.generate.remote([1, 2, 3], {"max_tokens": 4}, "r")
+    ray.get(paused.abort_all_requests.remote())  # its gate closed (paused): a new request parks there
+    parked = paused.generate.remote([1, 2, 3], {"max_tokens": 4}, "p")
+    ray.get([one.retire(), paused.retire()])
+    for request in (queued, parked):  # both fail now, as when a proxy's process was killed (not after a timeout)
+        with pytest.raises(ProxyGone, match="retired"):
+            ray.get(request, timeout=30)
     with pytest.raises(ray.exceptions.RayTaskError) as refused:
         ray.get(one.report.remote())
     assert isinstance(refused.value.cause, ProxyGone)

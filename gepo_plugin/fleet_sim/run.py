@@ -114,9 +114,10 @@ def wait_listening(port: int, trainer: subprocess.Popen, timeout_s: float) -> No
     raise TimeoutError(f"the gateway did not listen on port {port} within {timeout_s:.0f} s")
 
 
-def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None) -> dict[str, Any]:
+def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None, source: Path | None = None) -> dict[str, Any]:
     """Train with a synthetic fleet; returns ``{"run", "metrics", "fleet", "memory", "summary"}`` (``progress``: a
-    tqdm-like object updated per step)."""
+    tqdm-like object updated per step; ``source``: another checkout whose packages the trainer and its Ray workers
+    import ahead of the installed ones, to measure an older revision of the learner's side beside the same fleet)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     paths = write_all(workdir / "tiny")
@@ -128,7 +129,13 @@ def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None) -> dict[
     tokens = {token_env(i): sampler_token(secret, sampler_name(i)) for i in range(run.samplers)}
     env = {**os.environ, **tokens, KEY_ENV: private, "VERL_FILE_LOGGER_PATH": str(metrics_path)}
     env |= {"PYTHONWARNINGS": "ignore"}
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(source), str(source / "sampler"), *filter(None, [env.get("PYTHONPATH")])]
+        )
     overrides = trainer_overrides(run, paths, workdir, port, public)
+    if source is not None:  # (an older revision may not know the option; it had a process per sampler)
+        overrides = [o for o in overrides if not o.startswith("hetero.gateway.samplers_per_process=")]
     overrides.append(f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_path}")
     log = (workdir / "trainer.log").open("w")
     trainer = subprocess.Popen(

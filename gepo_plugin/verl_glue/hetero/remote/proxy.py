@@ -131,6 +131,8 @@ class RemoteSamplerProxy:
         #: set when the sampler must hear something now (an abort): it ends the long poll waiting for work
         self._wake = asyncio.Event()
         self._ids = itertools.count()
+        #: why the proxy serves no more (its sampler was retired from its pool): every request fails with it
+        self._gone: Exception | None = None
 
     # ------------------------------------------------------------------ verl's server interface
     async def generate(
@@ -139,6 +141,8 @@ class RemoteSamplerProxy:
         from verl.workers.rollout.replica import TokenOutput
 
         await self._gate.wait()  # a paused sampler (admission control, an abort) parks new requests here
+        if self._gone is not None:  # retired while this request waited at the gate
+            raise self._gone
         params = dict(sampling_params)
         request = GenerateRequest(
             request_id=f"{request_id}-{next(self._ids)}",
@@ -383,8 +387,10 @@ class RemoteSamplerProxy:
             pending.future.set_exception(error)
 
     def fail_all(self, error: Exception) -> None:
-        """Every request it was asked to generate fails with ``error`` (the sampler was retired from its pool, as when
-        a proxy's own process was killed); a long poll it holds ends now."""
+        """Every request it was asked to generate fails with ``error``, those parked at its gate too (the sampler was
+        retired from its pool, as when a proxy's own process was killed); a long poll it holds ends now."""
+        self._gone = error
+        self._gate.set()
         for pending in list(self._pending.values()):
             if not pending.future.done():
                 pending.future.set_exception(error)
