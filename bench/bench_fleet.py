@@ -41,7 +41,6 @@ def measure(args, samplers: int, source: Path | None, workdir: Path) -> dict:
         groups=args.groups,
         steps=args.steps,
         prompts_per_step=args.prompts_per_step,
-        samplers_per_process=args.samplers_per_process,
         profile=profile,
     )
     label = "before" if source is not None else "after"
@@ -129,9 +128,6 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4, help="sampler groups the remote samplers form (4)")
     parser.add_argument("--steps", type=int, default=12, help="training steps per run (12)")
     parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts a step, 4 answers each (8)")
-    parser.add_argument(
-        "--samplers-per-process", type=int, default=256, help="hetero.gateway.samplers_per_process (256)"
-    )
     parser.add_argument("--before", default=BEFORE_POOLS, help=f"the revision to compare with ({BEFORE_POOLS})")
     parser.add_argument(
         "--before-max", type=int, default=64, help="largest size run at --before (64: a process per sampler)"

@@ -271,6 +271,9 @@ def test_a_sampler_in_a_held_poll_is_not_silent_and_its_status_reports_reach_the
 
     async def run():
         async with GatewayClient(remote.url, "far", cluster) as client:
+            started = time.monotonic()  # a version published since its last poll: the next one answers at once
+            assert (await client.poll(SamplerStatus(version=0), wait_s=2.0)).learner_version == 1
+            assert time.monotonic() - started < 1.0
             held = asyncio.ensure_future(client.poll(SamplerStatus(version=0), wait_s=2.0))
             await asyncio.sleep(1.5)  # past the timeout, inside the poll
             during = ray.get(proxy.report.remote())

@@ -44,7 +44,6 @@ class FleetRun(BaseModel):
     samplers: int = Field(64, ge=1, description="remote samplers")
     groups: int = Field(4, ge=1, description="sampler groups they form")
     fleet_processes: int = Field(0, ge=0, description="processes the synthetic fleet runs in (0: one per 512)")
-    samplers_per_process: int = Field(256, ge=1, description="hetero.gateway.samplers_per_process (learner's side)")
     steps: int = Field(12, ge=2, description="training steps")
     prompts_per_step: int = Field(8, ge=1, description="prompts a step (each answered 4 times)")
     max_lag: int = Field(2, ge=0, description="hetero.max_lag")
@@ -85,7 +84,6 @@ def trainer_overrides(run: FleetRun, paths: dict[str, str], workdir: Path, port:
         "hetero.gateway.host=127.0.0.1",
         f"hetero.gateway.port={port}",
         f"hetero.gateway.sampler_timeout_s={run.sampler_timeout_s}",
-        f"hetero.gateway.samplers_per_process={run.samplers_per_process}",
     ]
 
 
@@ -134,8 +132,6 @@ def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None, source: 
             [str(source), str(source / "sampler"), *filter(None, [env.get("PYTHONPATH")])]
         )
     overrides = trainer_overrides(run, paths, workdir, port, public)
-    if source is not None:  # (an older revision may not know the option; it had a process per sampler)
-        overrides = [o for o in overrides if not o.startswith("hetero.gateway.samplers_per_process=")]
     overrides.append(f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_path}")
     log = (workdir / "trainer.log").open("w")
     trainer = subprocess.Popen(

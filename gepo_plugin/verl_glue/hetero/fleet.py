@@ -271,10 +271,11 @@ class SamplerFleet:
             self.report_lost(replica, kind, self.monitor.since_answer(replica))
 
     # --------------------------------------------------------------- what transports report
-    def installed(self, group: int, replicas: CheckpointEngineManager) -> None:
-        """``replicas`` of ``group`` installed a version: count it; they serve unless their group must stay paused
-        (a paused group resumes once what it holds may start rollouts again)."""
-        self.installs[group] += 1
+    def installed(self, group: int, replicas: CheckpointEngineManager, count: int = 1) -> None:
+        """``replicas`` of ``group`` installed a version: count it (``count`` installs: remote samplers come in one
+        batch); they serve unless their group must stay paused (a paused group resumes once what it holds may start
+        rollouts again)."""
+        self.installs[group] += count
         versions = self.transport.versions
         if group not in self.paused:
             replicas.resume_generation_replicas()

@@ -168,10 +168,15 @@ class RelayTransport:
             manager = CheckpointEngineManager(self.fleet.config, self.actor_wg, [replica])
             self.joining.append(Joining(group, replica, workers, manager))
         joining = list(self.joining)
-        remote = self._remote_reports({i: j.replica for i, j in enumerate(joining) if j.workers is None})
+        remote = (
+            self.fleet.remote.versions(
+                {i: j.replica for i, j in enumerate(joining) if j.workers is None}, self.settings.health.timeout_s
+            )
+            if self.fleet.remote is not None
+            else {}
+        )
         members = [
-            self._join_remote(j, remote.get(i) or {}) if j.workers is None else self._join(j)
-            for i, j in enumerate(joining)
+            self._join_remote(j, remote.get(i)) if j.workers is None else self._join(j) for i, j in enumerate(joining)
         ]
         return [member for member in members if member is not None]
 
@@ -188,6 +193,8 @@ class RelayTransport:
         ray.get(self.actor_wg.execute_checkpoint_engine(["hold"] * size, [oldest] * size))
 
     def metrics(self) -> dict[str, float]:
+        if self.fleet.remote is not None:
+            self._read_remote_reports()
         out = metric_names.under(metric_names.RELAY, self.publish_metrics)
         out.update(metric_names.under(metric_names.RELAY_SAMPLERS, _summed(self.sampler_counters.values())))
         if self.fleet.remote is not None:
@@ -262,44 +269,49 @@ class RelayTransport:
             self._request_keyframe(sorted(corrupt))
         return installed + self._collect_remote()
 
-    def _remote_reports(self, replicas: dict[int, Any]) -> dict[int, dict]:
-        return self.fleet.remote.reports(replicas, self.settings.health.timeout_s) if replicas else {}
+    def _live_remote(self) -> dict[int, Any]:
+        return {member: replica for member, replica in self.remote_members.items() if member in self.fleet.members}
 
     def _collect_remote(self) -> list[int]:
-        """Record the versions remote samplers installed by themselves (what they report with every poll)."""
-        installed = []
-        live = {member: replica for member, replica in self.remote_members.items() if member in self.fleet.members}
-        reports = self._remote_reports(live)
-        # a retired sampler's totals stay (results, refusals, requests cut by a quarantine: a metric that vanished
-        # with its sampler would hide them); what described it while alive (silence, version) goes
+        """Record the versions remote samplers installed by themselves (what they report with every poll): one call
+        for their versions, and one resume (or abort) per group for those that installed one."""
+        live = self._live_remote()
+        versions = self.fleet.remote.versions(live, self.settings.health.timeout_s)
+        installed: dict[int, list[int]] = {}
+        for member, version in versions.items():
+            if version is None or version <= self.book.installed.get(member, version):
+                continue
+            group = self.fleet.roster.group_of[member]
+            self.book.install(Receipt(group, member, version, self.clock(), 0, 0.0))
+            installed.setdefault(group, []).append(member)
+        for group, members in installed.items():
+            self.fleet.installed(group, self.fleet.remote.batch([live[m] for m in members]), len(members))
+        return [member for members in installed.values() for member in members]
+
+    def _read_remote_reports(self) -> None:
+        """The remote samplers' reports for the step's metrics (one call): what each did, its relay counters. A
+        retired sampler's totals stay (results, refusals, requests cut by a quarantine: a metric that vanished with
+        its sampler would hide them); what described it while alive (silence, version) goes."""
+        live = self._live_remote()
+        reports = self.fleet.remote.reports(live, self.settings.health.timeout_s)
         current = {live[member].name: report for member, report in reports.items()}
         gone = {name: {"counters": r["counters"], "refused": r["refused"]} for name, r in self.remote_reports.items()}
         self.remote_reports = {**gone, **current}
         for member, report in reports.items():
             status = report.get("status")
-            if status is None:
-                continue
-            self.sampler_counters[member] = {
-                key.removeprefix("relay_"): value
-                for key, value in status["counters"].items()
-                if key.startswith("relay_")
-            }
-            version = status["version"]
-            if version is None or version <= self.book.installed.get(member, version):
-                continue
-            group = self.fleet.roster.group_of[member]
-            self.book.install(Receipt(group, member, version, self.clock(), 0, 0.0))
-            self.fleet.installed(group, self.replica_managers[member])
-            installed.append(member)
-        return installed
+            if status is not None:
+                self.sampler_counters[member] = {
+                    key.removeprefix("relay_"): value
+                    for key, value in status["counters"].items()
+                    if key.startswith("relay_")
+                }
 
-    def _join_remote(self, joining: Joining, report: dict) -> int | None:
-        """A remote sampler joins its group once it has dialled in and reports (``report``) the version it
-        installed."""
-        status = report.get("status")
-        if status is None or status["version"] is None or report.get("dead"):
+    def _join_remote(self, joining: Joining, version: int | None) -> int | None:
+        """A remote sampler joins its group once it has dialled in and reports the ``version`` it installed (None:
+        none yet, or it cannot serve)."""
+        if version is None:
             return None
-        version = int(status["version"])
+        version = int(version)
         self.joining.remove(joining)
         member = self.fleet.enlist(joining.group, joining.replica, version, joining.manager)
         self.remote_members[member] = joining.replica

@@ -132,13 +132,6 @@ class GatewayConfig(BaseModel):
         allow_inf_nan=False,
         description="the longest a generation request may stay with a sampler before it fails (counted as failed)",
     )
-    samplers_per_process: StrictInt = Field(
-        256,
-        ge=1,
-        description="remote samplers whose proxies (what verl's load balancer calls) share one Ray worker process on "
-        "the gateway's node: a process is ~320 MiB resident whatever it holds, a proxy a few KiB; more processes "
-        "spread a large fleet's calls over more cores",
-    )
 
     @model_validator(mode="after")
     def _tls_pair(self) -> GatewayConfig:

@@ -7,7 +7,9 @@ held, such as a version installed: the fleet must not learn it a long poll later
 authenticates every request (``Authorization: Bearer``, compared in constant time with :func:`hmac.compare_digest`
 against the token in the environment variable the sampler's entry names, read on this node), refuses bodies over
 ``max_body_mb``, and hands the call to the sampler's
-:class:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy`. A sampler the fleet retired gets 410 and is
+:class:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy`, which lives in this actor's process (its
+:class:`~gepo_plugin.verl_glue.hetero.remote.pool.ProxyPool`: no Ray call between a sampler's call and its proxy;
+verl and the fleet reach the proxies through the actor's pool methods). A sampler the fleet retired gets 410 and is
 recorded as asking to rejoin (:meth:`RemoteGateway.rejoining`); the fleet takes it back at its next safe point.
 Refusals are counted per sampler and reason (a wrong token: ``unauthorised``; a name no entry lists gets the same 401
 and counts as ``unknown_sampler``); wrong tokens beyond ``auth_failures_per_minute`` from one client address get 429,
@@ -29,14 +31,13 @@ import time
 from collections import Counter
 from typing import Any
 
-import ray
 from aiohttp import web
 from limits import RateLimitItemPerMinute
 from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
 import gepo_sampler
-from gepo_plugin.verl_glue.hetero.remote.pool import ProxyGone
+from gepo_plugin.verl_glue.hetero.remote.pool import ProxyGone, ProxyPool
 from gepo_sampler.remote.protocol import PACKAGE_HEADER, PROTOCOL_HEADER, PROTOCOL_VERSION, Hello, protocol_mismatch
 from gepo_sampler.remote.settings import GatewayConfig, RemoteSamplerConfig
 
@@ -62,7 +63,9 @@ class RemoteGateway:
         self.samplers = {sampler.name: sampler for sampler in samplers}
         self._tokens = {sampler.name: sampler.token().encode() for sampler in samplers}
         self.hello_fields = hello
-        self.proxies: dict[str, Any] = {}
+        #: every sampler's proxy; a name's calls go to the key it is attached to (none while it is retired)
+        self.pool = ProxyPool()
+        self.routes: dict[str, str] = {}
         self.asking: dict[str, float] = {}
         #: samplers the audit quarantined: refused (403) for the rest of the run
         self.quarantined: set[str] = set()
@@ -103,17 +106,45 @@ class RemoteGateway:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    # ------------------------------------------------------------------ the pool (verl's and the fleet's calls)
+    def add(self, key: str, name: str, *args: Any, **kwargs: Any) -> None:
+        self.pool.add(key, name, *args, **kwargs)
+
+    async def remove(self, key: str) -> None:
+        await self.pool.remove(key)
+
+    async def call(self, key: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await self.pool.call(key, method, *args, **kwargs)
+
+    async def call_with(self, key: str, function: Any, *args: Any, **kwargs: Any) -> Any:
+        return await self.pool.call_with(key, function, *args, **kwargs)
+
+    async def call_many(self, keys: list[str], method: str, **kwargs: Any) -> None:
+        await self.pool.call_many(keys, method, **kwargs)
+
+    async def probe(self, keys: list[str]) -> dict[str, str | None]:
+        return await self.pool.probe(keys)
+
+    async def reports(self, keys: list[str]) -> dict[str, dict]:
+        return await self.pool.reports(keys)
+
+    def versions(self, keys: list[str]) -> dict[str, int | None]:
+        return self.pool.versions(keys)
+
+    async def set_window(self, first: int, latest: int) -> None:
+        await self.pool.set_window(first, latest)
+
     # ------------------------------------------------------------------ the fleet's control
-    def attach_many(self, proxies: dict[str, Any]) -> None:
-        """Route each name's calls to its proxy (samplers joining, or rejoining)."""
-        for name, proxy in proxies.items():
-            self.proxies[name] = proxy
+    def attach_many(self, routes: dict[str, str]) -> None:
+        """Route each name's calls to the proxy under its key (samplers joining, or rejoining)."""
+        for name, key in routes.items():
+            self.routes[name] = key
             self.asking.pop(name, None)
 
     def detach(self, name: str, quarantined: bool = False) -> None:
         """``name`` was retired: its calls get 410 until it is attached again; a quarantined one gets 403 for good
         (its host stops, saying why)."""
-        self.proxies.pop(name, None)
+        self.routes.pop(name, None)
         if quarantined:
             self.quarantined.add(name)
             self.asking.pop(name, None)
@@ -153,11 +184,12 @@ class RemoteGateway:
             raise web.HTTPForbidden(text=f"remote sampler {name!r} was quarantined by the learner's audit for this run")
         return name
 
-    def _proxy(self, name: str) -> Any:
-        proxy = self.proxies.get(name)
-        if proxy is None:
+    def _proxy(self, name: str) -> str:
+        """The key of ``name``'s proxy; 410 while it is retired."""
+        key = self.routes.get(name)
+        if key is None:
             raise self._retired(name)
-        return proxy
+        return key
 
     def _retired(self, name: str) -> web.HTTPGone:
         """410 for a retired sampler, recorded as asking to rejoin."""
@@ -216,16 +248,16 @@ class RemoteGateway:
     async def _poll(self, request: web.Request) -> web.Response:
         name = self._authorised(request)
         body = await self._body(request, name)
-        proxy = self._proxy(name)
+        key = self._proxy(name)
         wait_s = self.config.poll_wait_s
-        answer = await self._proxy_call(name, proxy.poll.remote(body, wait_s), wait_s + 30.0)
+        answer = await self._proxy_call(name, self.pool.call(key, "poll", body, wait_s), wait_s + 30.0)
         return web.json_response(_unless_refused(answer))
 
     async def _status(self, request: web.Request) -> web.Response:
         name = self._authorised(request)
         body = await self._body(request, name)
-        proxy = self._proxy(name)
-        _unless_refused(await self._proxy_call(name, proxy.update_status.remote(body), 30.0))
+        key = self._proxy(name)
+        _unless_refused(await self._proxy_call(name, self.pool.call(key, "update_status", body), 30.0))
         return web.json_response({})
 
     async def _proxy_call(self, name: str, call: Any, timeout_s: float) -> Any:
@@ -233,7 +265,7 @@ class RemoteGateway:
         it refused what was sent as malformed."""
         try:
             return await asyncio.wait_for(call, timeout_s)
-        except (ray.exceptions.RayActorError, ProxyGone):  # removed at its retirement, before the fleet detached it
+        except ProxyGone:  # removed at its retirement, before the fleet detached it
             raise self._retired(name) from None
         except Exception as error:
             self.refusals[f"{name}/malformed"] += 1
@@ -242,5 +274,7 @@ class RemoteGateway:
     async def _results(self, request: web.Request) -> web.Response:
         name = self._authorised(request)
         body = await self._body(request, name)
-        proxy = self._proxy(name)
-        return web.json_response(_unless_refused(await self._proxy_call(name, proxy.deliver.remote(body), 30.0)))
+        key = self._proxy(name)
+        return web.json_response(
+            _unless_refused(await self._proxy_call(name, self.pool.call(key, "deliver", body), 30.0))
+        )

@@ -1,15 +1,16 @@
 """The learner's side of ``hetero.remote_samplers``: the gateway, one proxy per sampler, and their joins.
 
 :class:`RemoteSamplers` starts the gateway (:class:`~gepo_plugin.verl_glue.hetero.remote.gateway.RemoteGateway`)
-on the node of verl's TaskRunner (which every sampler dials) and a
-:class:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy` per sampler, held by pool processes there
-(:mod:`~gepo_plugin.verl_glue.hetero.remote.pool`, ``hetero.gateway.samplers_per_process`` each), and gives the
+on the node of verl's TaskRunner (which every sampler dials), with a
+:class:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy` per sampler in the gateway's own process
+(:mod:`~gepo_plugin.verl_glue.hetero.remote.pool`), and gives the
 sampler fleet a :class:`RemoteReplica` per sampler: what the fleet, verl's weight-sync manager and its load balancer
 hold for a replica (servers, address, abort and resume). Remote groups start empty; a sampler joins its group when it
 has dialled in and installed a version (the relay transport checks, :meth:`RemoteSamplers.candidates`). A retired
 sampler's proxy leaves its pool with it (its requests fail and are counted); when it dials again, the gateway records
 it and :meth:`RemoteSamplers.rejoin` gives it a new proxy, so it joins again without a learner restart. What the
-learner asks of every sampler each step (reports, the window of versions) is one call per pool.
+learner asks of every sampler (versions, reports, the window of versions, resuming those that installed a version)
+is one call for all.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from gepo_plugin.hetero.settings import HeteroSettings
 from gepo_plugin.verl_glue.hetero.remote.auditor import AuditClient, RemoteAuditor
 from gepo_plugin.verl_glue.hetero.remote.calibration_feed import CalibrationFeed
 from gepo_plugin.verl_glue.hetero.remote.gateway import RemoteGateway
-from gepo_plugin.verl_glue.hetero.remote.pool import PooledProxy, ProxyPool
+from gepo_plugin.verl_glue.hetero.remote.pool import PooledProxy
 from gepo_sampler.remote.protocol import VersionWindow
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,20 @@ class RemoteReplica:
     async def stop_profile(self) -> None: ...
 
 
+class RemoteBatch:
+    """Remote samplers that installed a version, with the two calls the fleet makes of a group's verl manager then
+    (:meth:`~gepo_plugin.verl_glue.hetero.fleet.SamplerFleet.installed`), each one call for all of them."""
+
+    def __init__(self, gateway: Any, keys: list[str]) -> None:
+        self.gateway, self.keys = gateway, keys
+
+    def resume_generation_replicas(self) -> None:
+        ray.get(self.gateway.call_many.remote(self.keys, "resume_generation"))
+
+    def abort_replicas(self, reject_request: bool = False) -> None:
+        ray.get(self.gateway.call_many.remote(self.keys, "abort_all_requests", reject_request=reject_request))
+
+
 def is_remote(replica: Any) -> bool:
     return getattr(replica, "is_remote", False)
 
@@ -97,8 +112,8 @@ class RemoteSamplers:
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         self._placement = {"num_cpus": 0, "scheduling_strategy": here}
         self.gateway = (
-            ray.remote(RemoteGateway)
-            .options(**self._placement, max_concurrency=1000)
+            ray.remote(RemoteGateway)  # (each request verl has with a sampler is one call waiting here)
+            .options(**self._placement, max_concurrency=1_000_000)
             .remote(config.gateway, list(config.remote_samplers), {**hello, "poll_wait_s": config.gateway.poll_wait_s})
         )
         self.url = ray.get(self.gateway.start.remote())
@@ -113,32 +128,18 @@ class RemoteSamplers:
             )
         self._audit_mode = config.audit.mode
         self._next_rank = first_rank
-        #: the pool processes holding the proxies, and the keys each holds now
-        self.pools: list[Any] = []
-        self._pooled: dict[Any, set[str]] = {}
         #: name -> its replica while it may serve or join (a retired sampler is absent until it dials again)
         self.replicas: dict[str, RemoteReplica] = {}
         ray.get([self._new_proxy(name) for name in self.samplers])
-        ray.get([self.gateway.attach_many.remote({n: r.proxy for n, r in self.replicas.items()})])
-
-    def _pool(self) -> Any:
-        """The pool with the most room, a new one if every pool is full (a pool may serve any number of calls at
-        once: a long poll per sampler and verl's requests)."""
-        pool = min(self.pools, key=lambda p: len(self._pooled[p]), default=None)
-        if pool is None or len(self._pooled[pool]) >= self._gateway_config.samplers_per_process:
-            pool = ray.remote(ProxyPool).options(**self._placement, max_concurrency=1_000_000).remote()
-            self.pools.append(pool)
-            self._pooled[pool] = set()
-        return pool
+        ray.get(self.gateway.attach_many.remote({n: r.proxy.key for n, r in self.replicas.items()}))
 
     def _new_proxy(self, name: str) -> Any:
-        """A proxy for ``name`` in a pool, under a key of its own incarnation (the replica rank); returns the ref
-        of its creation (the gateway routes to it once attached)."""
-        pool, rank = self._pool(), self._next_rank
+        """A proxy for ``name`` in the gateway's pool, under a key of its own incarnation (the replica rank); returns
+        the ref of its creation (the gateway routes to it once attached)."""
+        rank = self._next_rank
         self._next_rank += 1
         key = f"{name}#{rank}"
-        self._pooled[pool].add(key)
-        created = pool.add.remote(
+        created = self.gateway.add.remote(
             key,
             name,
             ADDRESS_PREFIX + name,
@@ -148,12 +149,11 @@ class RemoteSamplers:
             self.default_max_tokens,
             self._audit_client(name),
         )
-        self.replicas[name] = RemoteReplica(name, PooledProxy(pool, key), rank)
+        self.replicas[name] = RemoteReplica(name, PooledProxy(self.gateway, key), rank)
         return created
 
     def _remove(self, replica: RemoteReplica) -> None:
-        """Take ``replica``'s proxy out of its pool (its pending requests fail; again is no error)."""
-        self._pooled.get(replica.proxy.pool, set()).discard(replica.proxy.key)
+        """Take ``replica``'s proxy out of the pool (its pending requests fail; again is no error)."""
         ray.get(replica.proxy.retire())
 
     def _audit_client(self, name: str) -> AuditClient | None:
@@ -195,7 +195,7 @@ class RemoteSamplers:
         back = [name for name in ray.get(self.gateway.rejoining.remote()) if name not in self.replicas]
         ray.get([self._new_proxy(name) for name in back])
         if back:
-            ray.get(self.gateway.attach_many.remote({name: self.replicas[name].proxy for name in back}))
+            ray.get(self.gateway.attach_many.remote({name: self.replicas[name].proxy.key for name in back}))
         for name in back:
             logger.warning("hetero: remote sampler %r dialled in again; it rejoins once it holds a version", name)
         return back
@@ -203,26 +203,38 @@ class RemoteSamplers:
     def set_window(self, first: int, latest: int) -> None:
         """Every proxy accepts results of this run's versions ``first``..``latest`` (the learner's)."""
         self.window = VersionWindow(first=first, latest=latest)
-        calls = [pool.set_window.remote(first, latest) for pool in self.pools]
-        ray.get([*calls, self.gateway.set_hello.remote(first_version=first, learner_version=latest)])
+        ray.get(
+            [
+                self.gateway.set_window.remote(first, latest),
+                self.gateway.set_hello.remote(first_version=first, learner_version=latest),
+            ]
+        )
+
+    def _ask(self, method: str, replicas: dict[int, RemoteReplica], timeout_s: float) -> dict[int, Any]:
+        """The pool's ``method`` over ``replicas``' keys in one call, by member; empty if the gateway does not
+        answer in time (the health monitor judges it); a proxy gone from the pool is left out."""
+        if not replicas:
+            return {}
+        members = {replica.proxy.key: member for member, replica in replicas.items()}
+        try:
+            answered = ray.get(getattr(self.gateway, method).remote(list(members)), timeout=timeout_s)
+        except Exception as error:
+            logger.debug("hetero: remote samplers' %s failed: %r", method, error)
+            return {}
+        return {members[key]: value for key, value in answered.items()}
 
     def reports(self, replicas: dict[int, RemoteReplica], timeout_s: float) -> dict[int, dict]:
         """Each member's proxy report (:meth:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy.report`),
-        one call per pool; a proxy gone from its pool, or a pool that does not answer, is left out (the health monitor
-        judges them)."""
-        by_pool: dict[Any, dict[str, int]] = {}
-        for member, replica in replicas.items():
-            by_pool.setdefault(replica.proxy.pool, {})[replica.proxy.key] = member
-        refs = {pool.reports.remote(list(members)): members for pool, members in by_pool.items()}
-        out = {}
-        for ref, members in refs.items():
-            try:
-                answered = ray.get(ref, timeout=timeout_s)
-            except Exception as error:  # a pool that died or hung: the fleet retires its samplers
-                logger.debug("hetero: remote samplers' reports failed: %r", error)
-                continue
-            out.update({members[key]: report for key, report in answered.items()})
-        return out
+        in one call."""
+        return self._ask("reports", replicas, timeout_s)
+
+    def versions(self, replicas: dict[int, RemoteReplica], timeout_s: float) -> dict[int, int | None]:
+        """The version each member holds, of those that may serve (one call; what the fleet checks while it waits)."""
+        return self._ask("versions", replicas, timeout_s)
+
+    def batch(self, replicas: list[RemoteReplica]) -> RemoteBatch:
+        """Several remote samplers as one weight-sync manager for the fleet (resume or abort them in one call)."""
+        return RemoteBatch(self.gateway, [replica.proxy.key for replica in replicas])
 
     def metrics(self, reports: dict[str, dict]) -> dict[str, float]:
         """Per sampler (``reports``: name -> its proxy's report) and the gateway's refusals, named."""

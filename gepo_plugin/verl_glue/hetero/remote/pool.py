@@ -1,18 +1,21 @@
-"""Many remote samplers' proxies in one process, so that a learner node holds a fleet of a thousand.
+"""Every remote sampler's proxy in one process, so that a learner node holds a fleet of a thousand.
 
 A :class:`~gepo_plugin.verl_glue.hetero.remote.proxy.RemoteSamplerProxy` is a few kilobytes of state and a handful of
 coroutines; as a Ray actor of its own it was a worker process of ~320 MiB resident (``bench/bench_gateway.py``).
-:class:`ProxyPool` holds up to ``hetero.gateway.samplers_per_process`` of them in one Ray actor, by key (a sampler's
-name and its incarnation: a sampler that rejoins gets a new proxy under a new key, so nothing meant for the old one
-reaches it). :class:`PooledProxy` gives each proxy the face verl and the fleet already use, an actor handle's
+:class:`ProxyPool` holds any number of them by key (a sampler's name and its incarnation: a sampler that rejoins gets
+a new proxy under a new key, so nothing meant for the old one reaches it). The gateway's actor holds the pool
+(:class:`~gepo_plugin.verl_glue.hetero.remote.gateway.RemoteGateway`), so a sampler's HTTP call reaches its proxy
+without a Ray call. :class:`PooledProxy` gives each proxy the face verl and the fleet already use, an actor handle's
 (``proxy.generate.remote(...)``: verl's ``LLMServerClient`` reaches a server only through that), so nothing on
-verl's side changes. What the learner asks of every sampler each step (reports, the version window, health probes)
-is one call per pool, not one per sampler. Retiring a sampler removes its proxy from the pool; whatever it was asked
-fails at once, as when a proxy's own process was killed (:class:`ProxyGone`).
+verl's side changes. What the learner asks of many samplers at once (their versions, reports, the version window,
+health probes, resuming or aborting those that installed a version) is one call, not one per sampler. Retiring a
+sampler removes its proxy from the pool; whatever it was asked fails at once, as when a proxy's own process was
+killed (:class:`ProxyGone`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +32,7 @@ class ProxyGone(RuntimeError):
 
 
 class ProxyPool:
-    """Remote samplers' proxies by key (instantiated as an async Ray actor: every call is a coroutine of one loop)."""
+    """Remote samplers' proxies by key (in the gateway's actor: every call is a coroutine of its one loop)."""
 
     def __init__(self) -> None:
         self.proxies: dict[str, RemoteSamplerProxy] = {}
@@ -71,6 +74,22 @@ class ProxyPool:
     async def reports(self, keys: list[str]) -> dict[str, dict]:
         """The reports (:meth:`RemoteSamplerProxy.report`) of those of ``keys`` still in the pool."""
         return {key: await self.proxies[key].report() for key in keys if key in self.proxies}
+
+    def versions(self, keys: list[str]) -> dict[str, int | None]:
+        """The version each of ``keys`` holds (None: none yet, or it cannot serve: dead, failed), for the fleet's
+        frequent check of what was installed (the full reports are read once a step)."""
+        out = {}
+        for key in keys:
+            proxy = self.proxies.get(key)
+            if proxy is not None and proxy.status is not None and proxy.why_dead() is None:
+                out[key] = proxy.status.version
+        return out
+
+    async def call_many(self, keys: list[str], method: str, **kwargs: Any) -> None:
+        """``method`` on each of ``keys``' proxies at once (resume or abort those of a group that installed a
+        version); one gone meanwhile is skipped (its retirement fails what it held)."""
+        proxies = [self.proxies[key] for key in keys if key in self.proxies]
+        await asyncio.gather(*(getattr(proxy, method)(**kwargs) for proxy in proxies))
 
     async def set_window(self, first: int, latest: int) -> None:
         """Every proxy's window of versions (:meth:`RemoteSamplerProxy.set_window`)."""
