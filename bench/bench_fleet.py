@@ -126,7 +126,7 @@ def main() -> None:
     parser = script_parser(__doc__)
     parser.add_argument("--samplers", type=int, nargs="+", default=[16, 64, 256, 1024], help="sizes (16 64 256 1024)")
     parser.add_argument("--groups", type=int, default=4, help="sampler groups the remote samplers form (4)")
-    parser.add_argument("--steps", type=int, default=12, help="training steps per run (12)")
+    parser.add_argument("--steps", type=int, default=16, help="training steps per run (16)")
     parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts a step, 4 answers each (8)")
     parser.add_argument("--before", default=BEFORE_POOLS, help=f"the revision to compare with ({BEFORE_POOLS})")
     parser.add_argument(

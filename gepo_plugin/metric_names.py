@@ -206,6 +206,12 @@ METRICS: tuple[Metric, ...] = (
     Metric(
         REMOTE + "{sampler}/idle", "calls in its name whose body stopped arriving for hetero.gateway.idle_timeout_s"
     ),
+    Metric(REMOTE + "gateway/{route}/calls", "calls of a route (hello, status, results) the gateway handled this step"),
+    Metric(
+        REMOTE + "gateway/{route}/p50_ms",
+        "median time the gateway took over such a call this step (what it adds to a sampler's call)",
+    ),
+    Metric(REMOTE + "gateway/{route}/p99_ms", "99th percentile of that time"),
     Metric(REMOTE + "unknown_sampler", "calls for a sampler name hetero.remote_samplers does not list (refused)"),
     Metric(
         REMOTE + "rate_limited",

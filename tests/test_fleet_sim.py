@@ -23,7 +23,8 @@ SAMPLERS, MAX_LAG = 64, 2
 RUN = FleetRun(
     samplers=SAMPLERS,
     groups=4,
-    steps=12,
+    steps=10,
+    learners=1,  # the fleet's side is under test: one learner process starts sooner
     max_lag=MAX_LAG,
     sampler_timeout_s=8.0,
     profile=FleetProfile(generation_median_s=0.5, stragglers=0.1, vanish=0.05, vanish_after_s=8.0, seed=3),

@@ -44,7 +44,8 @@ class FleetRun(BaseModel):
     samplers: int = Field(64, ge=1, description="remote samplers")
     groups: int = Field(4, ge=1, description="sampler groups they form")
     fleet_processes: int = Field(0, ge=0, description="processes the synthetic fleet runs in (0: one per 512)")
-    steps: int = Field(12, ge=2, description="training steps")
+    steps: int = Field(16, ge=2, description="training steps")
+    learners: int = Field(2, ge=1, description="data-parallel training processes (trainer.n_gpus_per_node)")
     prompts_per_step: int = Field(8, ge=1, description="prompts a step (each answered 4 times)")
     max_lag: int = Field(2, ge=0, description="hetero.max_lag")
     sampler_timeout_s: float = Field(15.0, gt=0, description="hetero.gateway.sampler_timeout_s")
@@ -69,6 +70,7 @@ def trainer_overrides(run: FleetRun, paths: dict[str, str], workdir: Path, port:
             steps=run.steps,
             prompts_per_step=run.prompts_per_step,
             output_dir=str(workdir),
+            learners=run.learners,
         ),
         "actor_rollout_ref.hybrid_engine=False",
         "hetero.enable=true",
@@ -87,17 +89,32 @@ def trainer_overrides(run: FleetRun, paths: dict[str, str], workdir: Path, port:
     ]
 
 
-def tree_pss(root: psutil.Process) -> tuple[float, int]:
-    """Bytes of memory the process tree under ``root`` holds (proportional set size: shared pages split), and its
-    number of processes."""
-    total, count = 0.0, 0
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def sample(root: psutil.Process, fleet: list[psutil.Process]) -> dict[str, float]:
+    """The learner node now: the memory the process tree under ``root`` holds (proportional set size: shared pages
+    split), its processes, the CPU seconds they used so far (the gateway's apart), and the fleet's own CPU seconds."""
+    out = {"pss": 0.0, "processes": 0, "cpu_s": 0.0, "gateway_cpu_s": 0.0}
     for process in [root, *root.children(recursive=True)]:
         try:
-            total += process.memory_full_info().pss
-            count += 1
+            out["pss"] += process.memory_full_info().pss
+            used = cpu_seconds(process)
+            out["cpu_s"] += used
+            if "RemoteGateway" in " ".join(process.cmdline()):
+                out["gateway_cpu_s"] += used
+            out["processes"] += 1
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    return total, count
+    fleet_cpu = 0.0
+    for process in fleet:
+        try:
+            fleet_cpu += cpu_seconds(process)
+        except psutil.NoSuchProcess:
+            continue
+    return out | {"fleet_cpu_s": fleet_cpu}
 
 
 def wait_listening(port: int, trainer: subprocess.Popen, timeout_s: float) -> None:
@@ -113,7 +130,7 @@ def wait_listening(port: int, trainer: subprocess.Popen, timeout_s: float) -> No
 
 
 def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None, source: Path | None = None) -> dict[str, Any]:
-    """Train with a synthetic fleet; returns ``{"run", "metrics", "fleet", "memory", "summary"}`` (``progress``: a
+    """Train with a synthetic fleet; returns ``{"run", "metrics", "fleet", "samples", "summary"}`` (``progress``: a
     tqdm-like object updated per step; ``source``: another checkout whose packages the trainer and its Ray workers
     import ahead of the installed ones, to measure an older revision of the learner's side beside the same fleet)."""
     workdir = Path(workdir)
@@ -143,7 +160,7 @@ def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None, source: 
         start_new_session=True,
     )
     fleet: list[tuple[subprocess.Popen, Path]] = []
-    memory: list[tuple[float, float, int]] = []
+    samples: list[dict[str, float]] = []
     started = time.monotonic()
     try:
         wait_listening(port, trainer, run.timeout_s)
@@ -170,12 +187,12 @@ def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None, source: 
             out = (workdir / f"fleet_{index}.log").open("w")
             fleet.append((subprocess.Popen(command, env=fleet_env, stdout=out, stderr=subprocess.STDOUT), stats))
         root, seen = psutil.Process(trainer.pid), 0
+        fleet_processes = [psutil.Process(process.pid) for process, _ in fleet]
         while trainer.poll() is None:
             if time.monotonic() - started > run.timeout_s:
                 raise TimeoutError(f"the run took longer than {run.timeout_s:.0f} s")
-            pss, count = tree_pss(root)
-            memory.append((time.monotonic() - started, pss, count))
             steps = len(read_metrics(metrics_path))
+            samples.append({"t": time.monotonic() - started, "steps": steps, **sample(root, fleet_processes)})
             if progress is not None and steps > seen:
                 progress.update(steps - seen)
                 seen = steps
@@ -201,8 +218,8 @@ def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None, source: 
         "run": run.model_dump(),
         "metrics": metrics,
         "fleet": stats,
-        "memory": memory,
-        "summary": summarise(run, metrics, stats, memory),
+        "samples": samples,
+        "summary": summarise(run, metrics, stats, samples),
     }
 
 
@@ -213,7 +230,30 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"p50_ms": float(p50), "p99_ms": float(p99)}
 
 
-def summarise(run: FleetRun, metrics: dict[int, dict], stats: list[dict], memory: list) -> dict[str, Any]:
+def _per_step(samples: list[dict[str, float]], key: str) -> float:
+    """``key``'s growth per training step from the third logged step to the last sample (the steady state)."""
+    steady = [s for s in samples if s["steps"] >= 2]
+    if len(steady) < 2 or steady[-1]["steps"] == steady[0]["steps"]:
+        return math.nan
+    return (steady[-1][key] - steady[0][key]) / (steady[-1]["steps"] - steady[0]["steps"])
+
+
+def _gateway_side(steps: list[dict]) -> dict[str, dict[str, float]]:
+    """The gateway's own timing of each route (its per-step metrics): calls, the median p50, the largest p99."""
+    out = {}
+    for route in ("hello", "status", "results"):
+        prefix = f"hetero/remote/gateway/{route}/"
+        rows = [m for m in steps if prefix + "calls" in m]
+        if rows:
+            out[route] = {
+                "calls": sum(m[prefix + "calls"] for m in rows),
+                "p50_ms": statistics.median(m[prefix + "p50_ms"] for m in rows),
+                "p99_ms": max(m[prefix + "p99_ms"] for m in rows),
+            }
+    return out
+
+
+def summarise(run: FleetRun, metrics: dict[int, dict], stats: list[dict], samples: list) -> dict[str, Any]:
     """The growth table's row: memory, step time, the fleet's bookkeeping, the gateway, the store, the ledger."""
     steps = [m for _, m in sorted(metrics.items()) if "timing_s/step" in m]
     measured = steps[2:] or steps  # the first steps compile and wait for the fleet to join
@@ -235,14 +275,18 @@ def summarise(run: FleetRun, metrics: dict[int, dict], stats: list[dict], memory
     versions = sorted(v for v, (_, times) in arrivals.items() if v > 0 and len(times) >= live)
     spread = [max(arrivals[v][1]) - arrivals[v][0] for v in versions]
     fetched = len([v for v in arrivals if v > 0]) or 1
-    seconds = max((t for t, _, _ in memory), default=0.0)
-    steady = [pss for t, pss, _ in memory if t >= seconds / 2] or [0.0]
+    seconds = max((s["t"] for s in samples), default=0.0)
+    steady = [s["pss"] for s in samples if s["t"] >= seconds / 2] or [0.0]
     return {
         "samplers": run.samplers,
         "steps": len(steps),
-        "memory_gib": max(pss for _, pss, _ in memory) / 2**30 if memory else math.nan,
+        "memory_gib": max(s["pss"] for s in samples) / 2**30 if samples else math.nan,
         "memory_steady_gib": statistics.median(steady) / 2**30,
-        "processes": max((n for _, _, n in memory), default=0),
+        "processes": max((s["processes"] for s in samples), default=0),
+        "learner_cpu_s_per_step": _per_step(samples, "cpu_s"),
+        "gateway_cpu_s_per_step": _per_step(samples, "gateway_cpu_s"),
+        "fleet_cpu_s_per_step": _per_step(samples, "fleet_cpu_s"),
+        "gateway_side": _gateway_side(measured),
         "step_s": statistics.median(m["timing_s/step"] for m in measured) if measured else math.nan,
         "fleet_s": statistics.median(m.get("hetero/fleet_s", math.nan) for m in measured) if measured else math.nan,
         "gateway": {kind: {"calls": calls.get(kind, 0), **_percentiles(values)} for kind, values in latencies.items()},

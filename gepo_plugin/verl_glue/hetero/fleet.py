@@ -235,6 +235,8 @@ class SamplerFleet:
             self.paused.discard(group)
             if versions is not None:
                 versions.retire(group)
+        if lost and versions is not None:
+            self._resume_ready()
         if self.replacements is not None:
             for replica, _, _ in lost:
                 group = self.roster.group_of[replica]
@@ -279,11 +281,24 @@ class SamplerFleet:
         versions = self.transport.versions
         if group not in self.paused:
             replicas.resume_generation_replicas()
-        elif versions is not None and self.staleness.may_start(versions.latest, versions.held[group]):
+        elif versions is not None and self._may_resume(group, versions):
             self.paused.discard(group)
             self.on_group(group, lambda manager: manager.resume_generation_replicas())
         else:
             replicas.abort_replicas()
+
+    def _may_resume(self, group: int, versions: SamplerVersions) -> bool:
+        """A paused group may generate again: the oldest version its replicas hold may start rollouts."""
+        return self.staleness.may_start(versions.latest, versions.held[group])
+
+    def _resume_ready(self) -> None:
+        """Resume the paused groups that may start again without an install: the replica that held one back (the
+        oldest version of a group is its oldest replica's) was retired."""
+        versions = self.transport.versions
+        for group in sorted(self.paused):
+            if versions.live[group] and self.roster.alive(group) and self._may_resume(group, versions):
+                self.paused.discard(group)
+                self.on_group(group, lambda manager: manager.resume_generation_replicas())
 
     def enlist(self, group: int, replica: Any, version: int, replicas: CheckpointEngineManager) -> int:
         """A replacement that holds ``version`` joins ``group``: the roster, the group's weight sync, the health

@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 from limits import RateLimitItemPerMinute
 from limits.storage import MemoryStorage
@@ -70,6 +71,8 @@ class RemoteGateway:
         #: samplers the audit quarantined: refused (403) for the rest of the run
         self.quarantined: set[str] = set()
         self.refusals: Counter[str] = Counter()
+        #: route -> seconds each call took since the last :meth:`latencies`
+        self._handled: dict[str, list[float]] = {}
         self._runner: web.AppRunner | None = None
         #: wrong tokens per client address in the last minute: beyond the limit, 429 and no log line
         self._auth_failures = MovingWindowRateLimiter(MemoryStorage())
@@ -77,13 +80,13 @@ class RemoteGateway:
 
     async def start(self) -> str:
         """Listen; returns the URL samplers dial."""
-        app = web.Application()  # (the body limit is _read's: every route reads its body there)
+        app = web.Application(middlewares=[self._timed])  # (the body limit is _read's: every route reads it there)
         app.add_routes(
             [
-                web.get("/v1/samplers/{name}/hello", self._hello),
-                web.post("/v1/samplers/{name}/poll", self._poll),
-                web.post("/v1/samplers/{name}/status", self._status),
-                web.post("/v1/samplers/{name}/results", self._results),
+                web.get("/v1/samplers/{name}/hello", self._hello, name="hello"),
+                web.post("/v1/samplers/{name}/poll", self._poll, name="poll"),
+                web.post("/v1/samplers/{name}/status", self._status, name="status"),
+                web.post("/v1/samplers/{name}/results", self._results, name="results"),
             ]
         )
         context = None
@@ -159,7 +162,29 @@ class RemoteGateway:
     def counts(self) -> dict[str, float]:
         return {key: float(value) for key, value in self.refusals.items()}
 
+    def latencies(self) -> dict[str, float]:
+        """Per route, the calls handled since the last time this was asked and the time each took here (p50, p99,
+        ms: what the gateway adds to a sampler's call, its body read included; a long poll's wait is not)."""
+        out: dict[str, float] = {}
+        for route, seconds in self._handled.items():
+            p50, p99 = np.percentile(np.asarray(seconds) * 1e3, [50, 99])
+            out |= {f"gateway/{route}/calls": float(len(seconds)), f"gateway/{route}/p50_ms": float(p50)}
+            out[f"gateway/{route}/p99_ms"] = float(p99)
+        self._handled = {}
+        return out
+
     # ------------------------------------------------------------------ HTTP
+    @web.middleware
+    async def _timed(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Time every call of a route but the long poll (whose time is its wait for work)."""
+        started = time.perf_counter()
+        try:
+            return await handler(request)
+        finally:
+            route = request.match_info.route.name
+            if route is not None and route != "poll":
+                self._handled.setdefault(route, []).append(time.perf_counter() - started)
+
     def _authorised(self, request: web.Request) -> str:
         """The sampler a call is for, if its token is right. An unknown name gets the same answer as a wrong token
         (names cannot be enumerated without one), after the same constant-time comparison."""

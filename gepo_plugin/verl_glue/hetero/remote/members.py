@@ -238,7 +238,8 @@ class RemoteSamplers:
 
     def metrics(self, reports: dict[str, dict]) -> dict[str, float]:
         """Per sampler (``reports``: name -> its proxy's report) and the gateway's refusals, named."""
-        out = metric_names.under(metric_names.REMOTE, ray.get(self.gateway.counts.remote()))
+        counts, latencies = ray.get([self.gateway.counts.remote(), self.gateway.latencies.remote()])
+        out = metric_names.under(metric_names.REMOTE, {**counts, **latencies})
         for name, report in reports.items():
             prefix = f"{metric_names.REMOTE}{name}/"
             out.update({prefix + key: float(value) for key, value in report["counters"].items()})
