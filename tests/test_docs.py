@@ -183,11 +183,12 @@ def _options(parser: argparse.ArgumentParser) -> Iterator[str]:
 def test_the_command_line_reference_has_every_option(site):
     from gepo_plugin.__main__ import build_parser as plugin_parser
     from gepo_plugin.doctor import build_parser as doctor_parser
+    from gepo_plugin.fleet_sim.__main__ import build_parser as fleet_parser
     from gepo_plugin.lab.cli import build_parser as lab_parser
     from gepo_sampler.host.cli import build_parser as sampler_parser
 
     page = (site / "reference" / "cli.html").read_text()
-    parsers = (plugin_parser(), doctor_parser(), lab_parser(), sampler_parser())
+    parsers = (plugin_parser(), doctor_parser(), lab_parser(), sampler_parser(), fleet_parser())
     options = [option for parser in parsers for option in _options(parser)]
     assert len(options) >= 50
     for option in options:

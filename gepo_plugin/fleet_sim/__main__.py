@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from gepo_plugin.fleet_sim.follower import ManifestFollower
+from gepo_plugin.fleet_sim.honest import HonestGenerator
 from gepo_plugin.fleet_sim.profile import FleetProfile, sampler_name, sampler_token
 from gepo_plugin.fleet_sim.sampler import FleetStats, SyntheticSampler
 from gepo_sampler.host.gateway_client import GatewayClient
@@ -23,7 +24,7 @@ from gepo_sampler.relay.store import RelayStore
 SECRET_ENV = "GEPO_FLEET_SECRET"
 
 
-def parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gepo_plugin.fleet_sim", description=__doc__)
     parser.add_argument("--gateway", required=True, help="the learner's gateway URL (hetero.gateway)")
     parser.add_argument("--first", type=int, required=True, help="index of this process's first sampler")
@@ -33,6 +34,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--public-key", required=True, help="the learner's Ed25519 public key (hetero.relay)")
     parser.add_argument("--vocab-size", type=int, required=True, help="the model's vocabulary size")
     parser.add_argument("--stats", required=True, help="write what this process saw here (JSON) when stopped")
+    parser.add_argument(
+        "--model", help="the model's directory: answers are sampled from it at the claimed version (for the audit)"
+    )
     for name, spec in FleetProfile.model_fields.items():
         parser.add_argument(
             f"--{name.replace('_', '-')}",
@@ -48,13 +52,20 @@ async def serve(args: argparse.Namespace, profile: FleetProfile, stats: FleetSta
     store = RelayStore(args.store)  # one client, its counters the process's: reads per version per sampler
     verifier = Verifier(args.public_key)
     clients, tasks = [], []
+    honest = None
+    if args.model:
+        honest = HonestGenerator(
+            args.model, RelayPuller(store, args.run_id, verifier=verifier), profile.seed + args.first
+        )
+        tasks.append(asyncio.create_task(honest.run()))
     try:
         for index in range(args.first, args.first + args.count):
             name = sampler_name(index)
             client = await GatewayClient(args.gateway, name, sampler_token(secret, name)).__aenter__()
             clients.append(client)
             follower = ManifestFollower(RelayPuller(store, args.run_id, verifier=verifier))
-            sampler = SyntheticSampler(name, client, follower, profile, args.vocab_size, stats)
+            liar = index < profile.liars
+            sampler = SyntheticSampler(name, client, follower, profile, args.vocab_size, stats, honest, liar)
             tasks.append(asyncio.create_task(sampler.run()))
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -69,7 +80,7 @@ async def serve(args: argparse.Namespace, profile: FleetProfile, stats: FleetSta
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     profile = FleetProfile(**{name: getattr(args, name) for name in FleetProfile.model_fields})
     stats = FleetStats()
     asyncio.run(serve(args, profile, stats))

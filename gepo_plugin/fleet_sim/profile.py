@@ -22,6 +22,8 @@ class FleetProfile(BaseModel):
     straggler_factor: float = Field(5.0, ge=1, description="how much slower a straggler is")
     vanish: float = Field(0.0, ge=0, le=1, description="share of samplers that go silent for good during the run")
     vanish_after_s: float = Field(40.0, gt=0, description="seconds after its first poll when a vanishing one goes")
+    liars: int = Field(0, ge=0, description="samplers (the first ones) that report each log-prob higher than it is")
+    liar_shift: float = Field(0.5, gt=0, description="how much higher a liar reports each log-prob")
     seed: int = Field(0, description="seed of every draw (a sampler's own draws are seeded by its name)")
 
     def rng(self, name: str) -> np.random.Generator:

@@ -50,6 +50,9 @@ class FleetRun(BaseModel):
     max_lag: int = Field(2, ge=0, description="hetero.max_lag")
     sampler_timeout_s: float = Field(15.0, gt=0, description="hetero.gateway.sampler_timeout_s")
     timeout_s: float = Field(1800.0, gt=0, description="the longest the run may take")
+    audit: float = Field(
+        0.0, ge=0, le=1, description="hetero.audit.fraction (0: no audit); the samplers then sample from the model"
+    )
     profile: FleetProfile = FleetProfile()
 
 
@@ -86,6 +89,7 @@ def trainer_overrides(run: FleetRun, paths: dict[str, str], workdir: Path, port:
         "hetero.gateway.host=127.0.0.1",
         f"hetero.gateway.port={port}",
         f"hetero.gateway.sampler_timeout_s={run.sampler_timeout_s}",
+        *(["hetero.audit.enable=true", f"hetero.audit.fraction={run.audit}"] if run.audit else []),
     ]
 
 
@@ -182,6 +186,7 @@ def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None, source: 
                 f"--public-key={public}",
                 f"--vocab-size={vocab}",
                 f"--stats={stats}",
+                *([f"--model={paths['model']}"] if run.audit else []),
                 *profile,
             ]
             out = (workdir / f"fleet_{index}.log").open("w")
@@ -231,11 +236,15 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 def _per_step(samples: list[dict[str, float]], key: str) -> float:
-    """``key``'s growth per training step from the third logged step to the last sample (the steady state)."""
+    """``key``'s growth per training step from the third logged step to the last (the steady state)."""
     steady = [s for s in samples if s["steps"] >= 2]
-    if len(steady) < 2 or steady[-1]["steps"] == steady[0]["steps"]:
+    if not steady:
         return math.nan
-    return (steady[-1][key] - steady[0][key]) / (steady[-1]["steps"] - steady[0]["steps"])
+    # the last step's first sample: after it the run's processes end, and their CPU time leaves the sum
+    end = next(s for s in steady if s["steps"] == steady[-1]["steps"])
+    if end["steps"] == steady[0]["steps"]:
+        return math.nan
+    return (end[key] - steady[0][key]) / (end["steps"] - steady[0]["steps"])
 
 
 def _gateway_side(steps: list[dict]) -> dict[str, dict[str, float]]:
@@ -298,6 +307,13 @@ def summarise(run: FleetRun, metrics: dict[int, dict], stats: list[dict], sample
         "vanished": counters.get("vanished", 0),
         "ledger": {k: last.get(f"hetero/{k}", math.nan) for k in ("produced", "trained", "dropped", "queued")},
         "lag_max": max((m.get("hetero/lag/max", 0.0) for m in steps), default=math.nan),
+        "quarantined": sorted(
+            k.split("/")[2]
+            for k, v in last.items()
+            if k.startswith("hetero/remote/") and k.endswith("/quarantined") and v
+        ),
+        "audits": sum(v for k, v in last.items() if k.startswith("hetero/remote/") and k.endswith("/audits")),
+        "audit_seconds": last.get("hetero/remote/audit_seconds", 0.0),
         "remote_trained": sum(
             v
             for k, v in last.items()

@@ -4,8 +4,10 @@ It does what :class:`~gepo_sampler.host.host.SamplerHost` does with its gateway,
 (:class:`~gepo_sampler.host.gateway_client.GatewayClient`): hello, a long poll carrying its status, a status report
 when it holds a new version, each result sent at once; a version "installed" cuts the requests in flight (each
 returns its partial tokens, tagged with the version they began under, and verl resumes them), as a host's install
-does. Generation is a sleep: a log-normal time, an answer of drawn length with uniform tokens and their log-probs
-under a uniform distribution (well-formed, finite, negative). A straggler is slower on every request; a vanishing
+does. Generation is a sleep: a log-normal time, an answer of drawn length; its tokens are uniform with their
+log-probs under a uniform distribution (well-formed, finite, negative), or, with an
+:class:`~gepo_plugin.fleet_sim.honest.HonestGenerator` (the audit on), sampled from the tiny model at the version the
+sampler holds, a liar's log-probs reported higher than they are. A straggler is slower on every request; a vanishing
 sampler goes silent for good (the learner must retire it and count what it held).
 """
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from gepo_plugin.fleet_sim.follower import ManifestFollower
+from gepo_plugin.fleet_sim.honest import HonestGenerator
 from gepo_plugin.fleet_sim.profile import FleetProfile
 from gepo_sampler.host.gateway_client import GatewayClient, GatewayRefused, GatewayRetired
 from gepo_sampler.remote.protocol import GenerateRequest, Result, Results, SamplerStatus
@@ -56,9 +59,12 @@ class SyntheticSampler:
         profile: FleetProfile,
         vocab_size: int,
         stats: FleetStats,
+        honest: HonestGenerator | None = None,
+        liar: bool = False,
     ) -> None:
         self.name, self.client, self.follower, self.profile = name, client, follower, profile
         self.vocab_size, self.stats = vocab_size, stats
+        self.honest, self.liar = honest, liar
         self.rng = profile.rng(name)
         self.slowdown = profile.straggler_factor if self.rng.random() < profile.stragglers else 1.0
         self.vanishes = self.rng.random() < profile.vanish
@@ -140,6 +146,19 @@ class SyntheticSampler:
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
 
+    async def _answer(self, request: GenerateRequest, version: int, length: int) -> tuple[list[int], list | None]:
+        if self.honest is None:
+            tokens = self.rng.integers(0, self.vocab_size, size=length).tolist()
+            return tokens, [-math.log(self.vocab_size)] * length if request.logprobs else None
+        if length == 0:
+            return [], [] if request.logprobs else None
+        tokens, log_probs = await self.honest.sample(
+            version, request.prompt_ids, length, request.temperature, request.top_k, request.top_p
+        )
+        if self.liar:  # (still a log-prob: never above 0, or the gateway would refuse it before any audit)
+            log_probs = [min(lp + self.profile.liar_shift, -1e-6) for lp in log_probs]
+        return tokens, log_probs if request.logprobs else None
+
     async def _generate(self, request: GenerateRequest) -> None:
         version, cut = self.held, self._cut
         seconds = (
@@ -158,8 +177,7 @@ class SyntheticSampler:
             self.stats.counters["cut"] += 1
         except asyncio.TimeoutError:
             finish = "length" if length == request.max_tokens else "stop"
-        tokens = self.rng.integers(0, self.vocab_size, size=length).tolist()
-        log_probs = [-math.log(self.vocab_size)] * length if request.logprobs else None
+        tokens, log_probs = await self._answer(request, version, length)
         result = Result(
             request_id=request.request_id, token_ids=tokens, log_probs=log_probs, finish_reason=finish, version=version
         )

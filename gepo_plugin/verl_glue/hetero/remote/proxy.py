@@ -1,4 +1,7 @@
-"""A remote sampler as verl sees a rollout server: a Ray actor on the learner's side speaking verl's server interface.
+"""A remote sampler as verl sees a rollout server: one sampler's side of verl's server interface on the learner's node.
+
+Every proxy lives in the gateway's actor (:mod:`~gepo_plugin.verl_glue.hetero.remote.pool`), reached by verl through
+a :class:`~gepo_plugin.verl_glue.hetero.remote.pool.PooledProxy`, which has an actor handle's face.
 
 verl's agent loop reaches rollout servers through Ray handles from its load balancer and calls ``generate``; the
 fleet aborts and resumes them. :class:`RemoteSamplerProxy` answers those calls for one sampler outside the cluster:
@@ -94,7 +97,7 @@ class _Engine:
 
 
 class RemoteSamplerProxy:
-    """verl's rollout-server interface for one remote sampler (instantiated as a Ray actor by the fleet)."""
+    """verl's rollout-server interface for one remote sampler (held by the gateway's proxy pool)."""
 
     def __init__(
         self,
