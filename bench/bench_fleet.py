@@ -1,6 +1,7 @@
 """Benchmark: a fleet of --samplers synthetic remote samplers (16 64 256 1024) against verl's real trainer on this
 machine: what the learner's node pays for each size, for this tree and, up to --before-max samplers, for --before
-(the revision with a proxy process per sampler), measured in one run.
+(the revision with a proxy process per sampler: at 64 its proxies alone would take ~20 GiB, more than this 24 GiB
+VM holds beside the trainer), measured in one run.
 
 Each size is one run of ``gepo_plugin.fleet_sim.run.run_fleet``: verl's separate_async trainer with HeteroRL over the
 relay (a directory store), the tiny model on CPU, one in-cluster sampler group, and the remote samplers in --groups
@@ -13,7 +14,7 @@ status or results call takes (p50, p99), the store's reads and listings per publ
 from a version's publication until every live sampler has it, and the ledger (produced = trained + dropped +
 queued). The first two steps (start-up, samplers joining) are left out of the step medians.
 
-    python bench/bench_fleet.py --json docs/bench/fleet.json --png docs/_static/fleet.png   # about 40 minutes
+    python bench/bench_fleet.py --json docs/bench/fleet.json --png docs/bench/fleet.png   # about 17 minutes
     python bench/bench_fleet.py --samplers 16 64 --before-max 0 --steps 8                   # a few minutes
 """
 
@@ -130,7 +131,7 @@ def main() -> None:
     parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts a step, 4 answers each (8)")
     parser.add_argument("--before", default=BEFORE_POOLS, help=f"the revision to compare with ({BEFORE_POOLS})")
     parser.add_argument(
-        "--before-max", type=int, default=64, help="largest size run at --before (64: a process per sampler)"
+        "--before-max", type=int, default=16, help="largest size run at --before (16: a process per sampler)"
     )
     for name, spec in FleetProfile.model_fields.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(spec.default), default=spec.default,

@@ -93,32 +93,17 @@ def trainer_overrides(run: FleetRun, paths: dict[str, str], workdir: Path, port:
     ]
 
 
-def cpu_seconds(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return times.user + times.system
-
-
-def sample(root: psutil.Process, fleet: list[psutil.Process]) -> dict[str, float]:
+def sample(root: psutil.Process) -> dict[str, float]:
     """The learner node now: the memory the process tree under ``root`` holds (proportional set size: shared pages
-    split), its processes, the CPU seconds they used so far (the gateway's apart), and the fleet's own CPU seconds."""
-    out = {"pss": 0.0, "processes": 0, "cpu_s": 0.0, "gateway_cpu_s": 0.0}
+    split) and its number of processes."""
+    out = {"pss": 0.0, "processes": 0}
     for process in [root, *root.children(recursive=True)]:
         try:
             out["pss"] += process.memory_full_info().pss
-            used = cpu_seconds(process)
-            out["cpu_s"] += used
-            if "RemoteGateway" in " ".join(process.cmdline()):
-                out["gateway_cpu_s"] += used
             out["processes"] += 1
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    fleet_cpu = 0.0
-    for process in fleet:
-        try:
-            fleet_cpu += cpu_seconds(process)
-        except psutil.NoSuchProcess:
-            continue
-    return out | {"fleet_cpu_s": fleet_cpu}
+    return out
 
 
 def wait_listening(port: int, trainer: subprocess.Popen, timeout_s: float) -> None:
@@ -192,12 +177,11 @@ def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None, source: 
             out = (workdir / f"fleet_{index}.log").open("w")
             fleet.append((subprocess.Popen(command, env=fleet_env, stdout=out, stderr=subprocess.STDOUT), stats))
         root, seen = psutil.Process(trainer.pid), 0
-        fleet_processes = [psutil.Process(process.pid) for process, _ in fleet]
         while trainer.poll() is None:
             if time.monotonic() - started > run.timeout_s:
                 raise TimeoutError(f"the run took longer than {run.timeout_s:.0f} s")
             steps = len(read_metrics(metrics_path))
-            samples.append({"t": time.monotonic() - started, "steps": steps, **sample(root, fleet_processes)})
+            samples.append({"t": time.monotonic() - started, "steps": steps, **sample(root)})
             if progress is not None and steps > seen:
                 progress.update(steps - seen)
                 seen = steps
@@ -233,18 +217,6 @@ def _percentiles(values: list[float]) -> dict[str, float]:
         return {"p50_ms": math.nan, "p99_ms": math.nan}
     p50, p99 = np.percentile(np.asarray(values) * 1e3, [50, 99])
     return {"p50_ms": float(p50), "p99_ms": float(p99)}
-
-
-def _per_step(samples: list[dict[str, float]], key: str) -> float:
-    """``key``'s growth per training step from the third logged step to the last (the steady state)."""
-    steady = [s for s in samples if s["steps"] >= 2]
-    if not steady:
-        return math.nan
-    # the last step's first sample: after it the run's processes end, and their CPU time leaves the sum
-    end = next(s for s in steady if s["steps"] == steady[-1]["steps"])
-    if end["steps"] == steady[0]["steps"]:
-        return math.nan
-    return (end[key] - steady[0][key]) / (end["steps"] - steady[0]["steps"])
 
 
 def _gateway_side(steps: list[dict]) -> dict[str, dict[str, float]]:
@@ -292,9 +264,6 @@ def summarise(run: FleetRun, metrics: dict[int, dict], stats: list[dict], sample
         "memory_gib": max(s["pss"] for s in samples) / 2**30 if samples else math.nan,
         "memory_steady_gib": statistics.median(steady) / 2**30,
         "processes": max((s["processes"] for s in samples), default=0),
-        "learner_cpu_s_per_step": _per_step(samples, "cpu_s"),
-        "gateway_cpu_s_per_step": _per_step(samples, "gateway_cpu_s"),
-        "fleet_cpu_s_per_step": _per_step(samples, "fleet_cpu_s"),
         "gateway_side": _gateway_side(measured),
         "step_s": statistics.median(m["timing_s/step"] for m in measured) if measured else math.nan,
         "fleet_s": statistics.median(m.get("hetero/fleet_s", math.nan) for m in measured) if measured else math.nan,
