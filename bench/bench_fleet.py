@@ -12,7 +12,9 @@ proportional set size of the launcher and every process under it: Ray's and verl
 step time and the fleet's bookkeeping per step (``hetero/fleet_s``), the gateway's calls per second and the time a
 status or results call takes (p50, p99), the store's reads and listings per published version per sampler, the time
 from a version's publication until every live sampler has it, and the ledger (produced = trained + dropped +
-queued). The first two steps (start-up, samplers joining) are left out of the step medians.
+queued). The first two steps (start-up, samplers joining) are left out of the step medians. With --audit, the samplers
+sample their answers from the tiny model at the version they claim (batched per process) and --liars of them report
+higher log-probs; the row then has the audits done, the auditor's seconds and who was quarantined.
 
     python bench/bench_fleet.py --json docs/bench/fleet.json --png docs/bench/fleet.png   # about 17 minutes
     python bench/bench_fleet.py --samplers 16 64 --before-max 0 --steps 8                   # a few minutes
@@ -42,6 +44,7 @@ def measure(args, samplers: int, source: Path | None, workdir: Path) -> dict:
         groups=args.groups,
         steps=args.steps,
         prompts_per_step=args.prompts_per_step,
+        audit=args.audit,
         profile=profile,
     )
     label = "before" if source is not None else "after"
@@ -91,6 +94,10 @@ def report(record: dict, png: str | None) -> dict:
                   f"{row['store_lists_per_version_per_sampler']:9.2f} "
                   f"{spread['median']:14.2f} {ledger['produced']:5.0f}={ledger['trained']:.0f}+{ledger['dropped']:.0f}"
                   f"+{ledger['queued']:.0f} {row['lag_max']:4.0f}")  # fmt: skip
+    for samplers, row in record["after"].items():
+        if row.get("audits"):
+            print(f"{samplers} samplers: {row['audits']:.0f} audits, the auditor's {row['audit_seconds']:.1f} s, "
+                  f"quarantined {row['quarantined']}")  # fmt: skip
     after = {int(k): v for k, v in record["after"].items()}
     derived: dict = {}
     if len(after) >= 2:
@@ -129,6 +136,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4, help="sampler groups the remote samplers form (4)")
     parser.add_argument("--steps", type=int, default=16, help="training steps per run (16)")
     parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts a step, 4 answers each (8)")
+    parser.add_argument(
+        "--audit", type=float, default=0.0, help="hetero.audit.fraction; the samplers then sample from the model (0)"
+    )
     parser.add_argument("--before", default=BEFORE_POOLS, help=f"the revision to compare with ({BEFORE_POOLS})")
     parser.add_argument(
         "--before-max", type=int, default=16, help="largest size run at --before (16: a process per sampler)"
