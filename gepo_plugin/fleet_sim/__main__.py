@@ -47,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _ended(task: asyncio.Task, name: str, stats: FleetStats) -> None:
+    """A sampler that stopped before the fleet did (refused by the gateway, an error): counted and said, never
+    silent."""
+    if task.cancelled() or task.exception() is None:
+        return
+    error = task.exception()
+    stats.counters[f"stopped/{type(error).__name__}"] += 1
+    if sum(v for k, v in stats.counters.items() if k.startswith("stopped/")) <= 3:
+        print(f"fleet_sim: sampler {name} stopped: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+
+
 async def serve(args: argparse.Namespace, profile: FleetProfile, stats: FleetStats) -> None:
     secret = os.environ[SECRET_ENV]
     store = RelayStore(args.store)  # one client, its counters the process's: reads per version per sampler
@@ -66,7 +77,9 @@ async def serve(args: argparse.Namespace, profile: FleetProfile, stats: FleetSta
             follower = ManifestFollower(RelayPuller(store, args.run_id, verifier=verifier))
             liar = index < profile.liars
             sampler = SyntheticSampler(name, client, follower, profile, args.vocab_size, stats, honest, liar)
-            tasks.append(asyncio.create_task(sampler.run()))
+            task = asyncio.create_task(sampler.run())
+            task.add_done_callback(lambda done, name=name: _ended(done, name, stats))
+            tasks.append(task)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await stop.wait()

@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from gepo_plugin.fleet_sim.__main__ import SECRET_ENV
 from gepo_plugin.fleet_sim.profile import FleetProfile, sampler_name, sampler_token, token_env
 from gepo_plugin.tiny import cpu_run_overrides, read_metrics, write_all
+from gepo_sampler import __version__ as VERSION
 from gepo_sampler.relay.signing import generate_pair
+from gepo_sampler.remote.protocol import PACKAGE_HEADER, PROTOCOL_HEADER, PROTOCOL_VERSION
 
 RUN_ID = "fleet"
 KEY_ENV = "GEPO_FLEET_SIGNING_KEY"
@@ -106,16 +110,25 @@ def sample(root: psutil.Process) -> dict[str, float]:
     return out
 
 
-def wait_listening(port: int, trainer: subprocess.Popen, timeout_s: float) -> None:
+def wait_for_gateway(port: int, token: str, trainer: subprocess.Popen, timeout_s: float) -> None:
+    """Until this run's gateway answers a hello with the first sampler's token (something else on the port, which
+    the tests' other lane may have taken meanwhile, would not)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/samplers/{sampler_name(0)}/hello",
+        headers={"Authorization": f"Bearer {token}", PROTOCOL_HEADER: str(PROTOCOL_VERSION), PACKAGE_HEADER: VERSION},
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if trainer.poll() is not None:
-            raise RuntimeError(f"the trainer exited ({trainer.returncode}) before its gateway listened")
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
+            raise RuntimeError(f"the trainer exited ({trainer.returncode}) before its gateway answered")
+        try:
+            with urllib.request.urlopen(request, timeout=5) as answer:
+                if answer.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
         time.sleep(0.5)
-    raise TimeoutError(f"the gateway did not listen on port {port} within {timeout_s:.0f} s")
+    raise TimeoutError(f"the run's gateway did not answer on port {port} within {timeout_s:.0f} s")
 
 
 def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None, source: Path | None = None) -> dict[str, Any]:
@@ -152,7 +165,7 @@ def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None, source: 
     samples: list[dict[str, float]] = []
     started = time.monotonic()
     try:
-        wait_listening(port, trainer, run.timeout_s)
+        wait_for_gateway(port, tokens[token_env(0)], trainer, run.timeout_s)
         processes = run.fleet_processes or math.ceil(run.samplers / 512)
         bounds = np.linspace(0, run.samplers, processes + 1).astype(int)
         fleet_env = {**os.environ, SECRET_ENV: secret, "PYTHONWARNINGS": "ignore"}
@@ -203,6 +216,9 @@ def run_fleet(run: FleetRun, workdir: str | Path, progress: Any = None, source: 
         raise RuntimeError(f"the trainer failed (exit {trainer.returncode}):\n{tail}")
     metrics = read_metrics(metrics_path)
     stats = [json.loads(path.read_text()) for _, path in fleet if path.exists()]
+    if not any(record["calls"].get("hello") for record in stats):
+        logs = "".join((workdir / f"fleet_{index}.log").read_text()[-2000:] for index in range(len(fleet)))
+        raise RuntimeError(f"no synthetic sampler got through its hello to the gateway:\n{logs}")
     return {
         "run": run.model_dump(),
         "metrics": metrics,

@@ -86,7 +86,13 @@ class SyntheticSampler:
 
     async def run(self) -> None:
         """Serve until cancelled (or, for a vanishing sampler, until it goes)."""
-        hello = await self._timed("hello", self.client.hello())
+        while True:  # (as a host does: the gateway may not answer yet)
+            try:
+                hello = await self._timed("hello", self.client.hello())
+                break
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                self.stats.counters["hello_failed"] += 1
+                await asyncio.sleep(BACKOFF_S)
         self.learner_version = hello.learner_version
         loops = [asyncio.create_task(self._follow()), asyncio.create_task(self._poll(hello.poll_wait_s))]
         try:

@@ -276,6 +276,8 @@ class RelayTransport:
         """Record the versions remote samplers installed by themselves (what they report with every poll): one call
         for their versions, and one resume (or abort) per group for those that installed one."""
         live = self._live_remote()
+        if not live:  # (no remote sampler in this run, or none has joined)
+            return []
         versions = self.fleet.remote.versions(live, self.settings.health.timeout_s)
         installed: dict[int, list[int]] = {}
         for member, version in versions.items():
