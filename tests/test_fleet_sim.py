@@ -4,9 +4,8 @@ are retired, and each sampler reads the store a constant number of times per ver
 
 The samplers speak the real protocol over HTTP to the real gateway (many per asyncio process), follow the real
 relay's signed manifests in a directory store (every shard fetched and checked), and answer after log-normal delays;
-a few straggle and three vanish mid-run. With the audit on (a fifth of the results), the samplers sample their answers
-from the tiny model at the version they claim, and one lies about its log-probs. The large sizes are
-``bench/bench_fleet.py``'s.
+a few straggle and three vanish mid-run. The large sizes, and the audit at scale (``--audit``), are
+``bench/bench_fleet.py``'s; the audit's catching liars through verl's trainer is ``tests/test_remote_e2e.py``'s.
 """
 
 from __future__ import annotations
@@ -25,12 +24,11 @@ SAMPLERS, MAX_LAG = 64, 2
 RUN = FleetRun(
     samplers=SAMPLERS,
     groups=4,
-    steps=10,
+    steps=8,
     learners=1,  # the fleet's side is under test: one learner process starts sooner
     max_lag=MAX_LAG,
     sampler_timeout_s=8.0,
-    audit=0.2,
-    profile=FleetProfile(generation_median_s=0.5, stragglers=0.1, vanish=0.05, vanish_after_s=8.0, liars=1, seed=3),
+    profile=FleetProfile(generation_median_s=0.5, stragglers=0.1, vanish=0.05, vanish_after_s=8.0, seed=3),
 )
 
 
@@ -51,22 +49,10 @@ def test_the_fleet_joins_is_trained_and_every_vanished_sampler_is_retired(fleet)
     vanished = summary["vanished"]
     assert 1 <= vanished < SAMPLERS // 4
     assert last["hetero/sampler_failures/died"] == vanished  # each silent one retired, no live one
-    # the in-cluster one and every other but the liar
-    assert last["hetero/sampler_replicas_alive"] == 1 + SAMPLERS - vanished - 1
+    assert last["hetero/sampler_replicas_alive"] == 1 + SAMPLERS - vanished  # the in-cluster one and every other
     remote = sum(m.get(f"hetero/sampler_group_{g}/trained_trajectories", 0) for m in fleet["metrics"].values()
                  for g in range(1, 1 + RUN.groups))  # fmt: skip
     assert remote > 0 and summary["results"] > 0
-
-
-def test_the_audit_catches_the_liar_in_the_fleet_and_passes_every_honest_sampler(fleet):
-    """The honest samplers' answers are sampled from the model at the version they claim: the audit, at a fifth of
-    every sampler's results, quarantines the one that reports higher log-probs and no other."""
-    summary, last = fleet["summary"], fleet["metrics"][RUN.steps]
-    assert summary["quarantined"] == ["s0000"], summary["quarantined"]
-    assert last["hetero/sampler_failures/quarantined"] == 1
-    assert summary["audits"] >= 20, summary
-    honest = [k for k, v in last.items() if k.endswith("/audit_failures") and not k.startswith("hetero/remote/s0000/")]
-    assert honest and all(last[k] == 0 for k in honest)
 
 
 def test_the_learner_side_holds_the_fleet_in_a_few_processes(fleet):
