@@ -121,7 +121,7 @@ def report(record: dict, png: str | None) -> dict:
             axes[2].plot(xs, [v["gateway"].get("results", {}).get("p99_ms", float("nan")) for _, v in rows], style,
                          label=f"{side}: results p99")  # fmt: skip
         for axis, title in zip(axes, ("learner node memory (GiB, PSS)", "learner step (s, median)",
-                                      "gateway call time (ms, p99)"), strict=True):  # fmt: skip
+                                      "a results call, at the sampler (ms, p99)"), strict=True):  # fmt: skip
             axis.set_xscale("log", base=2)
             axis.set_xlabel("remote samplers")
             axis.set_title(title)
