@@ -94,6 +94,16 @@ def report(record: dict, png: str | None) -> dict:
                   f"{row['store_lists_per_version_per_sampler']:9.2f} "
                   f"{spread['median']:14.2f} {ledger['produced']:5.0f}={ledger['trained']:.0f}+{ledger['dropped']:.0f}"
                   f"+{ledger['queued']:.0f} {row['lag_max']:4.0f}")  # fmt: skip
+    print(f"\n{'side':6} {'samplers':>8} {'handler status/results p99 ms':>30} {'loop late p50/p99 ms':>21} "
+          f"{'loop busy':>9} {'busy when late':>14} {'fleet cores':>11}")  # fmt: skip
+    for side in ("before", "after"):
+        for samplers, row in sorted(record[side].items(), key=lambda kv: int(kv[0])):
+            handler, loop = row["gateway_side"], row["gateway_side"].get("loop", {})
+            nan = float("nan")
+            print(f"{side:6} {samplers:>8} {handler.get('status', {}).get('p99_ms', nan):14.1f}/"
+                  f"{handler.get('results', {}).get('p99_ms', nan):<15.1f} {loop.get('late_p50_ms', nan):10.1f}/"
+                  f"{loop.get('late_p99_ms', nan):<10.1f} {loop.get('busy', nan):9.2f} "
+                  f"{loop.get('busy_when_late', nan):14.2f} {row.get('fleet_cores', nan):11.2f}")  # fmt: skip
     for samplers, row in record["after"].items():
         if row.get("audits"):
             print(f"{samplers} samplers: {row['audits']:.0f} audits, the auditor's {row['audit_seconds']:.1f} s, "
@@ -119,9 +129,13 @@ def report(record: dict, png: str | None) -> dict:
             axes[0].plot(xs, [v["memory_gib"] for _, v in rows], style, label=side)
             axes[1].plot(xs, [v["step_s"] for _, v in rows], style, label=side)
             axes[2].plot(xs, [v["gateway"].get("results", {}).get("p99_ms", float("nan")) for _, v in rows], style,
-                         label=f"{side}: results p99")  # fmt: skip
+                         label=f"{side}: a results call, at the sampler")  # fmt: skip
+            if side == "after":
+                axes[2].plot(xs, [v["gateway_side"].get("loop", {}).get("late_p99_ms", float("nan")) for _, v in rows],
+                             "s:", label="the gateway's loop, late by")  # fmt: skip
+        axes[2].axhline(50.0, color="grey", linewidth=0.8, label="target (50 ms)")
         for axis, title in zip(axes, ("learner node memory (GiB, PSS)", "learner step (s, median)",
-                                      "a results call, at the sampler (ms, p99)"), strict=True):  # fmt: skip
+                                      "waits, p99 (ms)"), strict=True):  # fmt: skip
             axis.set_xscale("log", base=2)
             axis.set_xlabel("remote samplers")
             axis.set_title(title)

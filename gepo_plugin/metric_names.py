@@ -209,9 +209,20 @@ METRICS: tuple[Metric, ...] = (
     Metric(REMOTE + "gateway/{route}/calls", "calls of a route (hello, status, results) the gateway handled this step"),
     Metric(
         REMOTE + "gateway/{route}/p50_ms",
-        "median time the gateway took over such a call this step (what it adds to a sampler's call)",
+        "median time the gateway's handler took over such a call this step (its body read and its proxy's work)",
     ),
     Metric(REMOTE + "gateway/{route}/p99_ms", "99th percentile of that time"),
+    Metric(
+        REMOTE + "gateway/loop_late_p50_ms",
+        "median lateness of the gateway's event loop this step (the wait a call had before its handler started)",
+    ),
+    Metric(REMOTE + "gateway/loop_late_p99_ms", "99th percentile of that lateness"),
+    Metric(REMOTE + "gateway/loop_busy", "the gateway loop thread's CPU time over the step's wall time"),
+    Metric(
+        REMOTE + "gateway/loop_busy_when_late",
+        "that share over the intervals the loop ran over 10 ms late: near 1 it was saturated with its own work, "
+        "near 0 it waited for a core other processes held",
+    ),
     Metric(REMOTE + "unknown_sampler", "calls for a sampler name hetero.remote_samplers does not list (refused)"),
     Metric(
         REMOTE + "rate_limited",

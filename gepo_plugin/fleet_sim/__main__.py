@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from gepo_plugin.fleet_sim.follower import ManifestFollower
@@ -96,9 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     profile = FleetProfile(**{name: getattr(args, name) for name in FleetProfile.model_fields})
     stats = FleetStats()
+    started = time.perf_counter()
     asyncio.run(serve(args, profile, stats))
     record = {
         "samplers": args.count,
+        # the cores this process took from the machine it shares with the learner (on average over its life)
+        "cores": time.process_time() / (time.perf_counter() - started),
         "latencies": dict(stats.latencies),
         "calls": dict(stats.calls),
         "arrivals": {str(v): [published, times] for v, (published, times) in stats.arrivals.items()},

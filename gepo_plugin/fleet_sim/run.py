@@ -237,7 +237,17 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def _gateway_side(steps: list[dict]) -> dict[str, dict[str, float]]:
     """The gateway's own timing of each route (its per-step metrics): calls, the median p50, the largest p99."""
-    out = {}
+    out: dict[str, dict[str, float]] = {}
+    loop = [m for m in steps if "hetero/remote/gateway/loop_busy" in m]
+    if loop:  # the wait before a handler starts: the median step's, the worst step's, and why
+        out["loop"] = {
+            "late_p50_ms": statistics.median(m["hetero/remote/gateway/loop_late_p50_ms"] for m in loop),
+            "late_p99_ms": max(m["hetero/remote/gateway/loop_late_p99_ms"] for m in loop),
+            "busy": statistics.median(m["hetero/remote/gateway/loop_busy"] for m in loop),
+        }
+        key = "hetero/remote/gateway/loop_busy_when_late"
+        if late := [m[key] for m in loop if key in m]:
+            out["loop"]["busy_when_late"] = statistics.median(late)
     for route in ("hello", "status", "results"):
         prefix = f"hetero/remote/gateway/{route}/"
         rows = [m for m in steps if prefix + "calls" in m]
@@ -285,6 +295,7 @@ def summarise(run: FleetRun, metrics: dict[int, dict], stats: list[dict], sample
         "fleet_s": statistics.median(m.get("hetero/fleet_s", math.nan) for m in measured) if measured else math.nan,
         "gateway": {kind: {"calls": calls.get(kind, 0), **_percentiles(values)} for kind, values in latencies.items()},
         "gateway_calls_per_s": sum(calls.values()) / seconds if seconds else math.nan,
+        "fleet_cores": sum(record.get("cores", 0.0) for record in stats),
         "store_reads_per_version_per_sampler": counters.get("store_reads", 0) / fetched / run.samplers,
         "store_lists_per_version_per_sampler": counters.get("store_lists", 0) / fetched / run.samplers,
         "publish_to_all_s": {"median": statistics.median(spread), "max": max(spread)} if spread else None,

@@ -38,6 +38,7 @@ from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
 import gepo_sampler
+from gepo_plugin.verl_glue.hetero.remote.loop_watch import LoopWatch
 from gepo_plugin.verl_glue.hetero.remote.pool import ProxyGone, ProxyPool
 from gepo_sampler.remote.protocol import PACKAGE_HEADER, PROTOCOL_HEADER, PROTOCOL_VERSION, Hello, protocol_mismatch
 from gepo_sampler.remote.settings import GatewayConfig, RemoteSamplerConfig
@@ -73,6 +74,8 @@ class RemoteGateway:
         self.refusals: Counter[str] = Counter()
         #: route -> seconds each call took since the last :meth:`latencies`
         self._handled: dict[str, list[float]] = {}
+        #: how late the loop runs (the wait before a handler starts, which no handler's time holds)
+        self._watch = LoopWatch()
         self._runner: web.AppRunner | None = None
         #: wrong tokens per client address in the last minute: beyond the limit, 429 and no log line
         self._auth_failures = MovingWindowRateLimiter(MemoryStorage())
@@ -100,12 +103,14 @@ class RemoteGateway:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=context)
         await site.start()
+        self._watch.start()
         scheme = "https" if context is not None else "http"
         url = f"{scheme}://{self.config.host}:{self.config.port}"
         logger.info("hetero: the remote samplers' gateway listens at %s", url)
         return url
 
     async def stop(self) -> None:
+        await self._watch.stop()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -163,9 +168,10 @@ class RemoteGateway:
         return {key: float(value) for key, value in self.refusals.items()}
 
     def latencies(self) -> dict[str, float]:
-        """Per route, the calls handled since the last time this was asked and the time each took here (p50, p99,
-        ms: what the gateway adds to a sampler's call, its body read included; a long poll's wait is not)."""
-        out: dict[str, float] = {}
+        """Per route, the calls handled since the last time this was asked and the time each handler took (p50, p99,
+        ms: its body read and its proxy's work; a long poll's wait is not), and how late the loop ran meanwhile (the
+        wait a call had before its handler started: :class:`LoopWatch`)."""
+        out = {f"gateway/{key}": value for key, value in self._watch.take().items()}
         for route, seconds in self._handled.items():
             p50, p99 = np.percentile(np.asarray(seconds) * 1e3, [50, 99])
             out |= {f"gateway/{route}/calls": float(len(seconds)), f"gateway/{route}/p50_ms": float(p50)}
@@ -289,7 +295,8 @@ class RemoteGateway:
         """A proxy's answer to the sampler's call: 410 if the proxy is gone (retired meanwhile), 400 and counted if
         it refused what was sent as malformed."""
         try:
-            return await asyncio.wait_for(call, timeout_s)
+            async with asyncio.timeout(timeout_s):  # no task of its own: an answer ready at once costs no loop turn
+                return await call
         except ProxyGone:  # removed at its retirement, before the fleet detached it
             raise self._retired(name) from None
         except Exception as error:
