@@ -11,6 +11,10 @@ if [ ! -x .venv/bin/python ]; then
   echo "[bootstrap] creating .venv with $($python_bin --version)"
   "$python_bin" -m venv .venv
 fi
+# the repository's own packages are installed editable, so pip compiles none of them; where PYTHONDONTWRITEBYTECODE is
+# set (this VM, CI) every process would compile what it imports of them again (~0.5 s of each of the suite's many
+# Ray workers and launchers): compiled here once (up-to-date files are skipped; a stale one is recompiled in memory)
+.venv/bin/python -m compileall -q -j 0 gepo_plugin sampler/gepo_sampler > /dev/null
 stamp=.venv/.gepo-plugin-installed
 want="$(cat pyproject.toml sampler/pyproject.toml scripts/constraints.txt | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import gepo_plugin, gepo_sampler, verl" 2>/dev/null; then

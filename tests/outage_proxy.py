@@ -64,6 +64,12 @@ class OutageProxy:
         self.resets += 1
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
+        # a close alone does not end a connection a pump thread is blocked reading (Linux defers it until that read
+        # returns): the peer would hear nothing, and a held request would wait out its client's timeout, a network
+        # silently dropping packets rather than the failing one this proxy stands for. Shutting the reading side
+        # wakes that read (sending nothing), and the close then resets the connection.
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RD)
         with contextlib.suppress(OSError):
             sock.close()
 

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,14 +70,37 @@ def _launch(script: str, env: dict[str, str], temp_dir: str) -> subprocess.Popen
     )
 
 
-def _started(process: subprocess.Popen, script: str) -> None:
-    """Wait until ``ray start`` (kept in the foreground) says the node runs."""
+def _started(process: subprocess.Popen, script: str) -> str | None:
+    """Wait until ``ray start`` (kept in the foreground) says the node runs: None, or what it printed instead."""
     lines = []
     for line in process.stdout:
         lines.append(line)
         if "Ray runtime started" in line:
-            return
-    raise RuntimeError(f"{script} failed:\n" + "".join(lines))
+            return None
+    return f"{script} failed:\n" + "".join(lines)
+
+
+def _start_node(
+    script: str, env_of_attempt: Callable[[int], dict[str, str]], temp_dir: str, failed_addresses: set[str]
+) -> tuple[subprocess.Popen, dict[str, str]]:
+    """Start a node with ``script``, again (with ``env_of_attempt(attempt)``: new ports, a new address) when ``ray
+    start`` timed out: the node that failed is killed whole first (its process group: the raylet and the agents ``ray
+    start`` left behind) and its address added to ``failed_addresses``. Its environment is returned with it."""
+    failures = []
+    for attempt in range(START_ATTEMPTS):
+        env = env_of_attempt(attempt)
+        process = _launch(script, env, temp_dir)
+        failure = _started(process, script)
+        if failure is None:
+            return process, env
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        failed_addresses.add(env["NODE_IP"])
+        failures.append(failure)
+        if "timed out during startup" not in failure:
+            break  # a mistake, not a slow machine: starting again would only hide it
+    raise RuntimeError("\n".join(failures))
 
 
 def cluster_token_env() -> dict[str, str]:
@@ -93,7 +116,9 @@ class RayNodes:
         self.temp_dir = temp_dir
         self.address = f"{HEAD_IP}:{free_port()}"
         self.nodes: dict[str, Node] = {}
-        self._workers_started = 0  # each worker node gets its own address, 127.0.0.2, 127.0.0.3, ...
+        self._workers_started = 0  # worker0, worker1, ...
+        self._addresses_used = 0  # each start of a worker node gets its own address, 127.0.0.2, 127.0.0.3, ...
+        self.failed_addresses: set[str] = set()  # those of starts that failed (the node killed)
         #: what a run or a driver joining this cluster adds to its environment (the cluster's token)
         self.env = cluster_token_env()
         self.base = {
@@ -105,18 +130,22 @@ class RayNodes:
         }
 
     def start_head(self, gpus: int, cpus: int) -> None:
-        env = {
-            **self.base,
-            "NUM_GPUS": str(gpus),
-            "RAY_NUM_CPUS": str(cpus),
-            "RAY_PORT": self.address.split(":")[1],
-            "DASHBOARD_PORT": str(free_port()),
-            "RAY_CLIENT_PORT": str(free_port()),
-            # start_head.sh's default role (learner) offers LEARNER_RESOURCE: HeteroRL keeps verl's services there
-            "RAY_EXTRA_ARGS": f"--temp-dir={self.temp_dir} --include-dashboard=false {_agent_ports()}",
-        }
-        process = _launch("start_head.sh", env, self.temp_dir)
-        _started(process, "start_head.sh")
+        def env_of_attempt(attempt: int) -> dict[str, str]:
+            if attempt:  # a new port: the GCS that failed may hold the old one a while
+                self.address = f"{HEAD_IP}:{free_port()}"
+            return {
+                **self.base,
+                "NUM_GPUS": str(gpus),
+                "RAY_NUM_CPUS": str(cpus),
+                "RAY_PORT": self.address.split(":")[1],
+                "DASHBOARD_PORT": str(free_port()),
+                "RAY_CLIENT_PORT": str(free_port()),
+                # start_head.sh's default role (learner) offers LEARNER_RESOURCE: HeteroRL keeps verl's services there
+                "RAY_EXTRA_ARGS": f"--temp-dir={self.temp_dir} --include-dashboard=false {_agent_ports()}",
+            }
+
+        # a failed head's address is not recorded: its GCS, and the cluster with it, died with it
+        process, _ = _start_node("start_head.sh", env_of_attempt, self.temp_dir, failed_addresses=set())
         self.nodes["head"] = Node("head", process, gpus, HEAD_IP)
 
     def join_overrides(self) -> list[str]:
@@ -131,25 +160,26 @@ class RayNodes:
     def add_workers(self, worker_gpus: list[int]) -> None:
         """Sampler nodes (``gpus`` logical GPUs each: room for one rollout bundle per GPU), started one at a time (two
         joining at once can time out here)."""
-        started = []
         for gpus in worker_gpus:
             index = self._workers_started
             self._workers_started += 1
-            ip = f"127.0.0.{2 + index}"
-            env = {
-                **self.base,
-                "NODE_IP": ip,
-                "NUM_GPUS": str(gpus),
-                "RAY_NUM_CPUS": str(SAMPLER_NODE_CPUS * gpus),
-                "RAY_HEAD_ADDRESS": self.address,
-                "RAY_EXTRA_ARGS": _agent_ports(),
-            }
-            node = Node(f"worker{index}", _launch("start_worker.sh", env, self.temp_dir), gpus, ip)
-            self.nodes[node.name] = node
-            started.append(node)
-            _started(node.process, "start_worker.sh")
+
+            def env_of_attempt(attempt: int, gpus: int = gpus) -> dict[str, str]:
+                self._addresses_used += 1  # a new address: the node that failed may be listed a while yet
+                return {
+                    **self.base,
+                    "NODE_IP": f"127.0.0.{1 + self._addresses_used}",
+                    "NUM_GPUS": str(gpus),
+                    "RAY_NUM_CPUS": str(SAMPLER_NODE_CPUS * gpus),
+                    "RAY_HEAD_ADDRESS": self.address,
+                    "RAY_EXTRA_ARGS": _agent_ports(),
+                }
+
+            process, env = _start_node("start_worker.sh", env_of_attempt, self.temp_dir, self.failed_addresses)
+            self.nodes[f"worker{index}"] = Node(f"worker{index}", process, gpus, env["NODE_IP"])
         running = [node for node in self.nodes.values() if node.process.poll() is None]
-        settled = _driver(_SETTLE, self, str(len(running)))
+        expected = json.dumps(sorted(node.ip for node in running))
+        settled = _driver(_SETTLE, self, expected, json.dumps(sorted(self.failed_addresses)))
         for node in running:
             node.node_id = settled["ids"][node.ip]
 
@@ -180,6 +210,9 @@ LEARNER_RESOURCE = "gepo_learner"
 #: joins with ``ray_init._node_ip_address=HEAD_IP`` attaches to the head. Not 127.0.0.1: Ray rewrites that address to
 #: the machine's own (``resolve_ip_for_localhost``), and a driver on 127.0.0.1 then matches no node and joins any.
 HEAD_IP = "127.0.0.100"
+#: How many times a node is started before its cluster fails: ``ray start`` gives a raylet 30 s to register with the
+#: GCS (``ray/_private/node.py``, a constant); a CI run's worker node took longer on two cores beside the vLLM lane
+START_ATTEMPTS = 3
 #: Logical CPUs a sampler node offers the run: verl's rollout bundle ({"CPU": 2, "GPU": 1}) and its server's CPU
 SAMPLER_NODE_CPUS = 3
 
@@ -207,14 +240,17 @@ ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 alive = [a for a in state.state.actor_table(None).values() if a["State"] == "ALIVE"]
 print(json.dumps([[a.get("Name") or a["ActorClassName"], a["Address"]["NodeID"]] for a in alive]))
 """
-#: Once ``argv[2]`` nodes are alive: prints every alive node's id by address
+#: Once a node at each address of ``argv[2]`` (a JSON list) is alive, and none at those of ``argv[3]`` (nodes whose
+#: start failed and that were killed, in case one had registered): prints every alive node's id by address
 _SETTLE = """
 import json, sys, time, ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
-deadline = time.monotonic() + 60
-while len([n for n in ray.nodes() if n["Alive"]]) < int(sys.argv[2]) and time.monotonic() < deadline:
+expected, failed = set(json.loads(sys.argv[2])), set(json.loads(sys.argv[3]))
+alive = lambda: {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+deadline = time.monotonic() + 120
+while (not expected <= set(alive()) or failed & set(alive())) and time.monotonic() < deadline:
     time.sleep(0.5)
-print(json.dumps({"ids": {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}}))
+print(json.dumps({"ids": alive()}))
 """
 
 

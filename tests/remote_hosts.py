@@ -59,26 +59,25 @@ def start_host(
     extra: list[str] = (),
     vllm_port: int | None = None,
     lie: str | None = None,
+    vllm_url: str | None = None,
 ) -> tuple[subprocess.Popen, Path]:
-    """Start a sampler host (its vLLM on ``vllm_port``, default a free one; ``lie``: a lying host of
-    ``tests/lying_host.py``); returns the process and its log. An honest host is started as a remote machine starts
-    one: ``examples/remote/sampler_host.sh``, its settings in the script's environment variables (the script execs
-    the host, so the process is the host's)."""
+    """Start a sampler host (its vLLM on ``vllm_port``, default a free one; ``vllm_url``: attached to that running
+    server instead; ``lie``: a lying host of ``tests/lying_host.py``); returns the process and its log. An honest host
+    is started as a remote machine starts one: ``examples/remote/sampler_host.sh``, its settings in the script's
+    environment variables (the script execs the host, so the process is the host's)."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"host-{name}.log"
     env = {key: value for key, value in os.environ.items() if not key.startswith(("RAY_", "VLLM_CPU_KVCACHE"))}
     env.update(CPU_ENGINE_ENV, GEPO_SAMPLER_TOKEN=token, PYTHONWARNINGS="ignore")
     engine = [
-        "--port",
-        str(vllm_port or free_port()),
-        "--vllm-log",
-        str(workdir / f"vllm-{name}.log"),
+        *("--port", str(vllm_port or free_port()), "--vllm-log", str(workdir / f"vllm-{name}.log")),
         "--vllm-arg=--enforce-eager",
         f"--vllm-arg=--kv-cache-memory-bytes={KV_CACHE_BYTES}",
-        "--poll-s",
-        "0.2",
-        *extra,
     ]
+    engine = [*(engine if vllm_url is None else []), "--poll-s", "0.2", *extra]
+    if vllm_url is not None:
+        assert lie is None, "an attaching host is an honest one"
+        env["VLLM_URL"] = vllm_url
     if lie is None:
         env.update(
             PYTHON=str(host_python()),

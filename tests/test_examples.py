@@ -535,19 +535,21 @@ def test_lab_sensitivity_sweep_runs_valid_lab_commands_one_change_each():
     assert unknown.returncode == 2 and "unknown variant" in unknown.stderr
 
 
-def test_the_sampler_host_script_prints_a_command_its_parser_takes(tmp_path):
-    """examples/remote/sampler_host.sh: the command a remote machine runs, parsed by the host's own parser."""
-    from gepo_sampler.host.cli import build_parser
+@pytest.mark.parametrize("vllm_url", [None, "http://127.0.0.1:8000"], ids=["starts-vllm", "attaches"])
+def test_the_sampler_host_script_prints_a_command_its_parser_takes(tmp_path, vllm_url):
+    """examples/remote/sampler_host.sh: the command a remote machine runs, parsed and checked by the host's own
+    parser; with VLLM_URL it attaches to that server instead of starting one (the host refuses both at once)."""
+    from gepo_sampler.host.cli import build_parser, check
 
-    env = script_env(
-        tmp_path,
-        {
-            "GATEWAY_URL": "https://learner.example.org:8471",
-            "SAMPLER_NAME": "dc-west",
-            "RELAY_PUBLIC_KEY": "ab" * 32,
-            "CA_CERT": "/etc/gepo/ca.pem",
-        },
-    )
+    variables = {
+        "GATEWAY_URL": "https://learner.example.org:8471",
+        "SAMPLER_NAME": "dc-west",
+        "RELAY_PUBLIC_KEY": "ab" * 32,
+        "CA_CERT": str(tmp_path / "ca.pem"),
+        "GEPO_SAMPLER_TOKEN": "t" * 32,
+    }
+    env = script_env(tmp_path, variables | ({"VLLM_URL": vllm_url} if vllm_url else {}))
+    (tmp_path / "ca.pem").write_text("")
     result = subprocess.run(
         ["bash", str(EXAMPLES / "remote/sampler_host.sh"), "--poll-s", "2"], env=env, capture_output=True, text=True
     )
@@ -556,13 +558,14 @@ def test_the_sampler_host_script_prints_a_command_its_parser_takes(tmp_path):
     assert words[1:3] == ["-m", "gepo_sampler"]
     args = build_parser().parse_args(words[3:])
     assert (args.gateway, args.name, args.public_key) == ("https://learner.example.org:8471", "dc-west", "ab" * 32)
-    assert (args.ca_cert, args.poll_s, args.model, args.dtype) == (
-        "/etc/gepo/ca.pem",
-        2.0,
-        "Qwen/Qwen3-1.7B",
-        "bfloat16",
-    )
-    assert args.storage_options == "{}"
+    assert (args.ca_cert, args.poll_s, args.storage_options) == (str(tmp_path / "ca.pem"), 2.0, "{}")
+    if vllm_url is None:
+        assert (args.vllm_url, args.model, args.dtype) == (None, "Qwen/Qwen3-1.7B", "bfloat16")
+    else:
+        assert (args.vllm_url, args.model) == (vllm_url, None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GEPO_SAMPLER_TOKEN", variables["GEPO_SAMPLER_TOKEN"])
+        assert check(args)[1] == {}  # the host's own checks take it: one of --model and --vllm-url, not both
 
 
 def test_lab_sensitivity_sweep_runs_in_its_quick_form(tmp_path):

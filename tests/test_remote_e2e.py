@@ -19,27 +19,32 @@ Nothing is mocked.
   one (so they are trained) until the sampling test has seen enough PITs; each liar is retired as quarantined, refused
   for the rest of the run (its host stops, saying why), and training goes on;
 * **learning**: the batch's reward climbs from chance, and the honest remote sampler's with it;
-* **faults**: the honest host SIGKILLed mid-run (retired as died, the run goes on), started again (it rejoins from the
-  newest keyframe without a learner restart and its rollouts are trained again); then its network cut (a TCP proxy
-  between host and gateway) for longer than the gateway's timeout and restored: retired, and back.
+* **faults**: the honest host's process SIGKILLed mid-run (retired as died, the run goes on), its vLLM server left
+  running as a supervisor keeps one; a host started again attaches to that server (``VLLM_URL``), rejoins from the
+  newest keyframe without a learner restart and its rollouts are trained again (a host whose vLLM died with it starts
+  a new one: the first start of every host here, and a dead engine is ``tests/test_vllm_e2e.py``'s); then its network
+  cut (a TCP proxy between host and gateway) for longer than the gateway's timeout and restored: retired, and back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
+import os
 import re
 import secrets
 import signal
 import time
 
+import psutil
 import pytest
 from chaos import check_every_step
 from free_ports import free_port
 from learning import LEARNED, STEPS_TO_LEARN_ON_POLICY, WINDOW, assert_learns, curve
 from outage_proxy import OutageProxy
 from relay_fixtures import s3_server
-from remote_hosts import KV_CACHE_BYTES, start_host, stop
+from remote_hosts import KV_CACHE_BYTES, children, start_host, stop
 from trainer_run import TrainerRun
 from vllm_runs import FP32_GAP, GAP, vllm_hetero_overrides
 
@@ -107,7 +112,21 @@ def scenario(tmp_path_factory):
             name: start_host(gateway, name, token, public, tiny["model"], url, options, tmp_path / name, lie=lie)
             for name, (lie, _) in LIARS.items()
         }
-        honest = [start_host(through_proxy, HONEST, token, public, tiny["model"], url, options, tmp_path / "h1")]
+        honest_vllm = f"http://127.0.0.1:{free_port()}"  # the honest host's vLLM server, which outlives its host
+        honest = [
+            start_host(
+                through_proxy,
+                HONEST,
+                token,
+                public,
+                tiny["model"],
+                url,
+                options,
+                tmp_path / "h1",
+                vllm_port=int(honest_vllm.rsplit(":", 1)[1]),
+            )
+        ]
+        engine: list[int] = []  # the first host's vLLM server's processes, ended last
         entries = ",".join(f"{{name:{name},token_env:{TOKEN_ENV}}}" for name in GROUPS)
         overrides = [
             # one in-cluster group: verl's vLLM rollout in float32 (the learner too), its KV cache as small as a host's
@@ -140,14 +159,18 @@ def scenario(tmp_path_factory):
             marks["before_faults"] = max(run.metrics)
 
             died = last(run.metrics).get(DIED, 0)
-            stop(honest[0][0], signal.SIGKILL)  # killed mid-run: vLLM and host together
+            engine.extend(children(honest[0][0].pid))
+            honest[0][0].kill()  # the host's process killed mid-run; its vLLM server lives on
+            honest[0][0].wait(timeout=30)
             run.mark("honest host killed")
             killed_at = time.monotonic()
             until(lambda m: last(m).get(DIED, 0) > died, "the killed sampler retired", 120)
             marks["retired"], retired_after_s = max(run.metrics), time.monotonic() - killed_at
-            honest.append(
-                start_host(through_proxy, HONEST, token, public, tiny["model"], url, options, tmp_path / "h2")
+            engine_lived = all(psutil.pid_exists(pid) for pid in engine)
+            restarted = start_host(
+                through_proxy, HONEST, token, public, tiny["model"], url, options, tmp_path / "h2", vllm_url=honest_vllm
             )
+            honest.append(restarted)
             run.mark("honest host restarted")
             until(lambda m: [s for s in trained(m) if s > marks["retired"] + 1], "the restarted sampler trained", 900)
             died = last(run.metrics).get(DIED, 0)
@@ -162,6 +185,9 @@ def scenario(tmp_path_factory):
             run.stop(sig=signal.SIGKILL)
             for host, _ in [*hosts.values(), *honest]:
                 stop(host)
+            for pid in engine:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proxy.close()
     return {
         "metrics": run.metrics,
@@ -169,6 +195,8 @@ def scenario(tmp_path_factory):
         "marks": marks,
         "liars_exit": liars_exit,
         "retired_after_s": retired_after_s,
+        "engine_lived": engine_lived,
+        "restarted_dir": tmp_path / "h2",
         "host_logs": {name: log for name, (_, log) in hosts.items()} | {HONEST: honest[0][1]},
     }
 
@@ -242,11 +270,13 @@ def test_the_model_learns_and_the_remote_sampler_generates_with_what_it_learned(
 DEATH_COUNTED_S = GatewayConfig().poll_wait_s + TIMEOUT_S + 2 * HealthConfig().interval_s + 10
 
 
-def test_a_killed_remote_sampler_is_retired_and_rejoins_when_restarted(scenario):
+def test_a_killed_remote_sampler_host_is_retired_and_rejoins_when_restarted_beside_its_vllm(scenario):
     metrics, marks = scenario["metrics"], scenario["marks"]
     assert scenario["retired_after_s"] <= DEATH_COUNTED_S, scenario["retired_after_s"]
     assert marks["before_faults"] <= marks["retired"] < marks["cut"]
     assert "remote sampler 'honest' dialled in again" in scenario["log"], scenario["log"][-5000:]
+    # the host started again attached to the vLLM server its predecessor left running, and started none
+    assert scenario["engine_lived"] and not list(scenario["restarted_dir"].glob("vllm-*.log"))
     assert [s for s in trained(metrics) if marks["retired"] + 1 < s <= marks["cut"]]
 
 

@@ -13,6 +13,8 @@
 #   GATEWAY_URL (required) e.g. https://learner.example.org:8471   SAMPLER_NAME (required) as in REMOTE_SAMPLERS
 #   GEPO_SAMPLER_TOKEN (required) this sampler's token   RELAY_PUBLIC_KEY (required) the learner's public key
 #   MODEL_PATH [Qwen/Qwen3-1.7B]  MAX_MODEL_LEN [2816]  DTYPE [bfloat16]  CA_CERT []: the gateway's CA (self-signed)
+#   VLLM_URL []: attach to a vLLM server already running on this machine (one a supervisor keeps, or the one a host
+#     that died started) instead of starting one; MODEL_PATH, MAX_MODEL_LEN and DTYPE are then the server's own
 #   RELAY_URL []: the store as this machine reaches it (default: the learner's)  STORAGE_OPTIONS [{}]
 #   store credentials: the provider's usual variables (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for s3://)
 #   PRINT_ONLY [0]  1 (or --print-command as the first argument): print the command instead of running it
@@ -26,9 +28,13 @@ if [[ "${1:-}" == "--print-command" ]]; then print_only=1; shift; fi
 command=(
   "${PYTHON:-python3}" -m gepo_sampler
   --gateway "$GATEWAY_URL" --name "$SAMPLER_NAME" --public-key "$RELAY_PUBLIC_KEY"
-  --model "${MODEL_PATH:-Qwen/Qwen3-1.7B}" --max-model-len "${MAX_MODEL_LEN:-2816}" --dtype "${DTYPE:-bfloat16}"
   --storage-options "${STORAGE_OPTIONS:-{\}}"
 )
+if [[ -n "${VLLM_URL:-}" ]]; then
+  command+=(--vllm-url "$VLLM_URL")
+else
+  command+=(--model "${MODEL_PATH:-Qwen/Qwen3-1.7B}" --max-model-len "${MAX_MODEL_LEN:-2816}" --dtype "${DTYPE:-bfloat16}")
+fi
 if [[ -n "${CA_CERT:-}" ]]; then command+=(--ca-cert "$CA_CERT"); fi
 if [[ -n "${RELAY_URL:-}" ]]; then command+=(--relay-url "$RELAY_URL"); fi
 command+=("$@")
