@@ -112,20 +112,11 @@ def scenario(tmp_path_factory):
             name: start_host(gateway, name, token, public, tiny["model"], url, options, tmp_path / name, lie=lie)
             for name, (lie, _) in LIARS.items()
         }
-        honest_vllm = f"http://127.0.0.1:{free_port()}"  # the honest host's vLLM server, which outlives its host
-        honest = [
-            start_host(
-                through_proxy,
-                HONEST,
-                token,
-                public,
-                tiny["model"],
-                url,
-                options,
-                tmp_path / "h1",
-                vllm_port=int(honest_vllm.rsplit(":", 1)[1]),
-            )
-        ]
+        vllm_port = free_port()  # the honest host's vLLM server, which outlives its host
+        h1 = start_host(
+            through_proxy, HONEST, token, public, tiny["model"], url, options, tmp_path / "h1", vllm_port=vllm_port
+        )
+        honest = [h1]
         engine: list[int] = []  # the first host's vLLM server's processes, ended last
         entries = ",".join(f"{{name:{name},token_env:{TOKEN_ENV}}}" for name in GROUPS)
         overrides = [
@@ -166,9 +157,17 @@ def scenario(tmp_path_factory):
             killed_at = time.monotonic()
             until(lambda m: last(m).get(DIED, 0) > died, "the killed sampler retired", 120)
             marks["retired"], retired_after_s = max(run.metrics), time.monotonic() - killed_at
-            engine_lived = all(psutil.pid_exists(pid) for pid in engine)
+            engine_lived = bool(engine) and all(psutil.pid_exists(pid) for pid in engine)
             restarted = start_host(
-                through_proxy, HONEST, token, public, tiny["model"], url, options, tmp_path / "h2", vllm_url=honest_vllm
+                through_proxy,
+                HONEST,
+                token,
+                public,
+                tiny["model"],
+                url,
+                options,
+                tmp_path / "h2",
+                vllm_url=f"http://127.0.0.1:{vllm_port}",
             )
             honest.append(restarted)
             run.mark("honest host restarted")
