@@ -81,11 +81,15 @@ def _started(process: subprocess.Popen, script: str) -> str | None:
 
 
 def _start_node(
-    script: str, env_of_attempt: Callable[[int], dict[str, str]], temp_dir: str, failed_addresses: set[str]
+    script: str,
+    env_of_attempt: Callable[[int], dict[str, str]],
+    temp_dir: str,
+    failed_addresses: set[str] | None = None,
 ) -> tuple[subprocess.Popen, dict[str, str]]:
     """Start a node with ``script``, again (with ``env_of_attempt(attempt)``: new ports, a new address) when ``ray
     start`` timed out: the node that failed is killed whole first (its process group: the raylet and the agents ``ray
-    start`` left behind) and its address added to ``failed_addresses``. Its environment is returned with it."""
+    start`` left behind) and its address added to ``failed_addresses`` where given. Its environment is returned with
+    it."""
     failures = []
     for attempt in range(START_ATTEMPTS):
         env = env_of_attempt(attempt)
@@ -96,7 +100,8 @@ def _start_node(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
-        failed_addresses.add(env["NODE_IP"])
+        if failed_addresses is not None:
+            failed_addresses.add(env["NODE_IP"])
         failures.append(failure)
         if "timed out during startup" not in failure:
             break  # a mistake, not a slow machine: starting again would only hide it
@@ -145,7 +150,7 @@ class RayNodes:
             }
 
         # a failed head's address is not recorded: its GCS, and the cluster with it, died with it
-        process, _ = _start_node("start_head.sh", env_of_attempt, self.temp_dir, failed_addresses=set())
+        process, _ = _start_node("start_head.sh", env_of_attempt, self.temp_dir)
         self.nodes["head"] = Node("head", process, gpus, HEAD_IP)
 
     def join_overrides(self) -> list[str]:

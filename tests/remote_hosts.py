@@ -69,15 +69,16 @@ def start_host(
     log = workdir / f"host-{name}.log"
     env = {key: value for key, value in os.environ.items() if not key.startswith(("RAY_", "VLLM_CPU_KVCACHE"))}
     env.update(CPU_ENGINE_ENV, GEPO_SAMPLER_TOKEN=token, PYTHONWARNINGS="ignore")
-    engine = [
-        *("--port", str(vllm_port or free_port()), "--vllm-log", str(workdir / f"vllm-{name}.log")),
-        "--vllm-arg=--enforce-eager",
-        f"--vllm-arg=--kv-cache-memory-bytes={KV_CACHE_BYTES}",
-    ]
-    engine = [*(engine if vllm_url is None else []), "--poll-s", "0.2", *extra]
-    if vllm_url is not None:
+    if vllm_url is None:  # the vLLM server the host starts
+        starts = [
+            *("--port", str(vllm_port or free_port()), "--vllm-log", str(workdir / f"vllm-{name}.log")),
+            "--vllm-arg=--enforce-eager",
+            f"--vllm-arg=--kv-cache-memory-bytes={KV_CACHE_BYTES}",
+        ]
+    else:  # the one it attaches to (the script's VLLM_URL)
         assert lie is None, "an attaching host is an honest one"
-        env["VLLM_URL"] = vllm_url
+        starts, env["VLLM_URL"] = [], vllm_url
+    engine = [*starts, "--poll-s", "0.2", *extra]
     if lie is None:
         env.update(
             PYTHON=str(host_python()),
